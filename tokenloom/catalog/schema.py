@@ -1,0 +1,101 @@
+"""The token-shard contract: one Arrow row per sample, validated before it is written.
+
+A shard row carries everything a reader needs without consulting a tokenizer: the flat
+unified ids, the modality spans that tile them, and the ids of the vocabulary manifest and
+tokenizer bundles that gave them meaning. Validation is vectorized over a batch and returns
+a reason per bad row, so one bad sample becomes a quarantine record instead of a failed job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+MODALITIES = ("text", "image", "audio")
+ATTENTION_KINDS = ("causal", "bidirectional", "window")
+
+SEGMENT_TYPE = pa.struct(
+    [
+        pa.field("modality", pa.string()),
+        pa.field("start", pa.int32()),
+        pa.field("length", pa.int32()),
+        pa.field("grid", pa.list_(pa.int32())),  # (h, w) for images, (frames, levels) for audio
+        pa.field("attention", pa.string()),
+    ]
+)
+
+SHARD_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string()),
+        pa.field("source", pa.string()),
+        pa.field("tokens", pa.list_(pa.int32())),
+        pa.field("segments", pa.list_(SEGMENT_TYPE)),
+        pa.field("num_tokens", pa.int32()),
+        pa.field("vocab_id", pa.string()),
+        pa.field("bundle_ids", pa.list_(pa.string())),
+        pa.field("job_id", pa.string()),
+    ]
+)
+
+QUARANTINE_SCHEMA = pa.schema(
+    [
+        pa.field("source", pa.string()),
+        pa.field("record", pa.string()),  # where in the source: line number, member name, ...
+        pa.field("reason", pa.string()),
+        pa.field("job_id", pa.string()),
+    ]
+)
+
+
+def validate_shard_rows(table: pa.Table, vocab_size: int) -> list[str | None]:
+    """Check each row of a shard table; return None for a good row, else the reason.
+
+    Rules: ids inside [0, vocab_size); `num_tokens == len(tokens)`; segments sorted, starting
+    at 0, contiguous and covering every token; known modality and attention kinds.
+    """
+    missing = [f.name for f in SHARD_SCHEMA if f.name not in table.column_names]
+    if missing:
+        raise ValueError(f"shard table lacks columns {missing}; expected the schema {SHARD_SCHEMA.names}")
+    reasons: list[str | None] = [None] * table.num_rows
+    tokens_col = table.column("tokens").combine_chunks()
+    offsets = tokens_col.offsets.to_numpy()
+    flat = tokens_col.values.to_numpy(zero_copy_only=False)
+    lengths = np.diff(offsets)
+    num_tokens = table.column("num_tokens").to_numpy(zero_copy_only=False)
+
+    bad_ids = (flat < 0) | (flat >= vocab_size)
+    if bad_ids.any():
+        row_of = np.searchsorted(offsets, np.flatnonzero(bad_ids), side="right") - 1
+        for row in np.unique(row_of):
+            first = flat[offsets[row] : offsets[row + 1]]
+            worst = first[(first < 0) | (first >= vocab_size)][0]
+            reasons[row] = f"token id {int(worst)} outside the vocabulary [0, {vocab_size})"
+    for row in np.flatnonzero(lengths != num_tokens):
+        reasons[row] = reasons[row] or f"num_tokens {num_tokens[row]} != len(tokens) {lengths[row]}"
+    for row, segments in enumerate(table.column("segments").to_pylist()):
+        if reasons[row] is None:
+            reasons[row] = _segment_problem(segments or [], int(lengths[row]))
+    return reasons
+
+
+def _segment_problem(segments: Sequence[dict], length: int) -> str | None:
+    if length == 0:
+        return "empty token sequence"
+    cursor = 0
+    for seg in segments:
+        if seg["modality"] not in MODALITIES:
+            return f"unknown modality {seg['modality']!r}"
+        if seg["attention"] not in ATTENTION_KINDS:
+            return f"unknown attention kind {seg['attention']!r}"
+        if seg["start"] != cursor or seg["length"] <= 0:
+            return f"segments do not tile the sequence: span at {seg['start']} (len {seg['length']}), expected start {cursor}"
+        cursor += seg["length"]
+    if cursor != length:
+        return f"segments cover {cursor} tokens but the sequence has {length}"
+    return None
+
+
+def empty_quarantine() -> pa.Table:
+    return QUARANTINE_SCHEMA.empty_table()

@@ -1,0 +1,254 @@
+"""The `tokenloom` command: a thin shell over `tokenloom.api`.
+
+Every reporting command takes `--json` (one JSON document on stdout, nothing else) and
+`--home`. Mistakes a user can fix (unknown dataset, missing path, bad config) print one
+line on stderr and exit with status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+from dataclasses import asdict, is_dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="TokenLoom: multimodal tokenization platform and streaming MoE training.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+tokenizer_app = typer.Typer(help="Train tokenizers.", no_args_is_help=True)
+tokenizer_train_app = typer.Typer(help="Train a tokenizer bundle.", no_args_is_help=True)
+catalog_app = typer.Typer(help="Query the dataset catalog.", no_args_is_help=True)
+app.add_typer(tokenizer_app, name="tokenizer")
+tokenizer_app.add_typer(tokenizer_train_app, name="train")
+app.add_typer(catalog_app, name="catalog")
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+HomeOpt = Annotated[Path | None, typer.Option("--home", help="State folder (default ./.tokenloom or TOKENLOOM_HOME).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Run config (TOML).")]
+OverridesArg = Annotated[list[str] | None, typer.Argument(help="Config overrides: key=value, e.g. train.steps=50")]
+
+
+def _user_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from tokenloom.catalog import DatasetNotFound
+
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, FileNotFoundError, DatasetNotFound, PermissionError) as exc:
+            err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _quiet_stdout(active: bool):
+    """With --json, stdout carries the document alone: libraries that print (DeepSpeed, Ray)
+    are sent to stderr at the file-descriptor level for the duration of the job."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _emit_json(doc) -> None:
+    def default(o):
+        if is_dataclass(o):
+            return asdict(o)
+        if isinstance(o, Path):
+            return str(o)
+        raise TypeError(type(o))
+
+    sys.stdout.write(json.dumps(doc, default=default, indent=2) + "\n")
+
+
+def _setup(home: Path | None, config: Path | None = None, overrides: list[str] | None = None, base=None):
+    from tokenloom import api
+    from tokenloom.runconfig import load_run_config
+
+    return api, api.Home.resolve(home), load_run_config(config, overrides or [], base=base)
+
+
+def _when(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@app.command()
+@_user_errors
+def demo(home: HomeOpt = None, json_out: JsonOpt = False, tiny: Annotated[bool, typer.Option(help="Test size.")] = False,
+         overrides: OverridesArg = None):
+    """The main job on the embedded defaults: corpus -> tokenizer -> ingest -> catalog -> train."""
+    from tokenloom import api
+
+    api_, home_, cfg = _setup(home, None, overrides, base=api.demo_config(tiny))
+    with _quiet_stdout(json_out):
+        summary = api_.demo(home_, cfg, tiny=tiny, progress=not json_out)
+    if json_out:
+        return _emit_json(summary)
+    t = Table(title="TokenLoom demo", show_header=False)
+    reasons = ", ".join(f"{k}: {v}" for k, v in summary["quarantine_reasons"].items()) or "none"
+    rows = [
+        ("dataset", summary["dataset"]),
+        ("snapshot", str(summary["snapshot_id"])),
+        ("samples", f"{summary['samples']:,}"),
+        ("tokens", f"{summary['tokens']:,}"),
+        ("quarantined inputs", f"{summary['quarantined']} ({reasons})"),
+        ("text tokenizer", summary["text_tokenizer"]),
+        ("model parameters", f"{summary['parameters']:,}"),
+        ("steps", str(summary["steps"])),
+        ("loss first -> last", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"),
+        ("training tokens/s", f"{summary['train_tokens_per_second']:,.0f}"),
+        ("home", summary["home"]),
+        ("run (metrics, loss.png)", summary["run_dir"]),
+        ("checkpoint", str(summary["checkpoint"])),
+        ("wall time", f"{summary['seconds']:.0f} s"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+
+
+@tokenizer_train_app.command("text")
+@_user_errors
+def tokenizer_train_text(
+    corpus: Annotated[list[Path], typer.Option("--corpus", help="Files or folders (.txt, .jsonl).")],
+    vocab_size: Annotated[int, typer.Option("--vocab-size")] = 4096,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
+):
+    """Train a byte-level BPE (HF tokenizers) and publish it as a versioned bundle."""
+    api, home_, cfg = _setup(home, config, overrides)
+    cfg.text_tokenizer.vocab_size = vocab_size
+    info = api.train_text(home_, corpus, cfg)
+    doc = {"bundle_id": info.id, "path": str(info.path), "vocab_size": info.config["vocab_size"]}
+    if json_out:
+        return _emit_json(doc)
+    console.print(f"text tokenizer [bold]{info.id}[/] ({doc['vocab_size']} tokens) at {info.path}")
+
+
+@app.command()
+@_user_errors
+def ingest(
+    paths: Annotated[list[Path], typer.Argument(help="Files or folders to tokenize.")],
+    dataset: Annotated[str, typer.Option("--dataset", help="Catalog dataset to commit into.")],
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="Text bundle id or path (default: newest).")] = None,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
+    ray_address: Annotated[str | None, typer.Option("--ray-address", help="Ray cluster (default: local).")] = None,
+    catalog_uri: Annotated[str | None, typer.Option("--catalog-uri", help="SQLAlchemy URI of the catalog.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value (repeatable).")] = None,
+):
+    """Tokenize inputs on the modality pools (Ray Data) and commit them as one snapshot."""
+    api, home_, cfg = _setup(home, config, overrides)
+    if ray_address:
+        cfg.ingest.ray.address = ray_address
+    if catalog_uri:
+        cfg.catalog.uri = catalog_uri
+    cfg.ingest.ray.progress_bars = not json_out
+    with _quiet_stdout(json_out):
+        r = api.ingest(home_, paths, dataset, cfg, text_bundle=tokenizer)
+    if json_out:
+        return _emit_json(r)
+    verb = "already committed as" if r.already_committed else "committed"
+    console.print(f"[bold]{r.dataset}[/]: {verb} snapshot {r.snapshot_id} (job {r.job_id})")
+    console.print(f"  samples {r.samples:,}  tokens {r.tokens:,}  quarantined {r.quarantined}"
+                  + (f" {r.quarantine_reasons}" if r.quarantined else ""))
+    for path, why in r.skipped_files:
+        console.print(f"  skipped {path}: {why}")
+
+
+@catalog_app.command("ls")
+@_user_errors
+def catalog_ls(home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None):
+    """List datasets with their latest snapshot's counts."""
+    api, home_, cfg = _setup(home, config)
+    rows = api.catalog_ls(home_, cfg)
+    if json_out:
+        return _emit_json(rows)
+    t = Table("dataset", "snapshot", "samples", "tokens", "quarantined", "snapshots")
+    for r in rows:
+        t.add_row(r["dataset"], str(r["snapshot_id"]), f"{r['samples']:,}", f"{r['tokens']:,}",
+                  str(r["quarantined"]), str(r["snapshots"]))
+    console.print(t)
+
+
+@catalog_app.command("show")
+@_user_errors
+def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help="Snapshot id.")] = None,
+                 home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None):
+    """Counts, quarantine and lineage of a dataset snapshot (latest by default)."""
+    api, home_, cfg = _setup(home, config)
+    s = api.catalog_show(home_, cfg, name, at)
+    if json_out:
+        return _emit_json(s)
+    t = Table(title=f"dataset {name}", show_header=False)
+    for key in ("snapshot_id", "job_id", "samples", "tokens", "quarantined", "quarantine_reasons", "data_files",
+                "vocab_id", "bundle_ids", "sources_hash", "code_version"):
+        t.add_row(key, str(s.get(key)))
+    if s.get("timestamp_ms"):
+        t.add_row("committed", _when(s["timestamp_ms"]))
+    console.print(t)
+
+
+@catalog_app.command("history")
+@_user_errors
+def catalog_history(name: str, home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None):
+    """Snapshots of a dataset, oldest first."""
+    api, home_, cfg = _setup(home, config)
+    rows = api.catalog_history(home_, cfg, name)
+    if json_out:
+        return _emit_json(rows)
+    t = Table("snapshot", "committed", "job", "samples", "tokens", "quarantined", "total rows")
+    for r in rows:
+        t.add_row(str(r["snapshot_id"]), _when(r["timestamp_ms"]), str(r["job_id"]), f"{r['samples']:,}",
+                  f"{r['tokens']:,}", str(r["quarantined"]), f"{r['total_records']:,}")
+    console.print(t)
+
+
+@app.command()
+@_user_errors
+def train(
+    dataset: Annotated[str, typer.Option("--dataset")],
+    at: Annotated[str | None, typer.Option("--at", help="Snapshot id (default: current).")] = None,
+    steps: Annotated[int | None, typer.Option("--steps")] = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="Checkpoint folder to continue from.")] = None,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
+):
+    """Train the model on a catalog snapshot, streaming its shards (DeepSpeed, ZeRO-1)."""
+    api, home_, cfg = _setup(home, config, overrides)
+    if steps is not None:
+        cfg.train.steps = steps
+    with _quiet_stdout(json_out):
+        snapshot_id, r = api.train(home_, dataset, cfg, at=at, progress=not json_out, resume_from=resume)
+    doc = {"dataset": dataset, "snapshot_id": snapshot_id, **asdict(r)}
+    if json_out:
+        return _emit_json(doc)
+    console.print(f"trained {r.steps} steps on {dataset}@{snapshot_id}: loss {r.first_loss:.3f} -> {r.last_loss:.3f}, "
+                  f"{r.tokens_per_second:,.0f} tokens/s; outputs in {r.run_dir}")
+
+
+def main() -> None:  # pragma: no cover
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,50 @@
+"""Ingestion configuration: Ray connection and one tokenizer pool per modality.
+
+Pools are data, not code: a modality's pool says which tokenizer class serves it and what
+each actor needs. Adding the visual or audio tokenizer adds a registry entry and a pool
+here; the pipeline does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PoolConfig:
+    """One Ray Data actor pool (autoscaling between min_actors and max_actors)."""
+
+    num_cpus: float = 0.5  # fractional so read and write tasks are never starved
+    num_gpus: float = 0.0
+    resource_label: str = ""  # a custom Ray resource: pools scale independently on CPU-only nodes
+    min_actors: int = 1
+    max_actors: int = 2
+    batch_size: int = 64
+
+    def validate(self, modality: str) -> None:
+        if not 1 <= self.min_actors <= self.max_actors:
+            raise ValueError(
+                f"pool {modality!r}: need 1 <= min_actors <= max_actors, got {self.min_actors}..{self.max_actors}"
+            )
+        if self.batch_size < 1 or self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"pool {modality!r}: batch_size must be >= 1 and resources >= 0")
+
+
+@dataclass
+class RayConfig:
+    address: str = ""  # empty: start a local Ray; "auto" or ray://host:10001 for a cluster
+    num_cpus: int = 0  # local only; 0 = all cores
+    object_store_mb: int = 512  # local only: small machines need a bound
+    progress_bars: bool = True
+
+
+@dataclass
+class IngestConfig:
+    ray: RayConfig = field(default_factory=RayConfig)
+    pools: dict[str, PoolConfig] = field(default_factory=lambda: {"text": PoolConfig(resource_label="text_pool")})
+    read_tasks: int = 0  # 0 = let Ray Data choose
+
+    def pool(self, modality: str) -> PoolConfig:
+        if modality not in self.pools:
+            raise ValueError(f"no tokenizer pool configured for modality {modality!r}; configured: {sorted(self.pools)}")
+        return self.pools[modality]

@@ -1,0 +1,175 @@
+"""The ingestion job: raw files -> routed tokenizer pools -> Parquet shards -> one snapshot.
+
+One Ray Data pipeline per run. Files are routed by modality on the driver (cheap: a suffix
+look-up), so each modality reads only its own files, runs on its own actor pool with its
+own resources, and the branches meet at a single shard sink. The job id is a hash of the
+inputs, bundles, vocabulary and dataset, so re-running the same job finds its snapshot and
+does nothing; a job that dies before the commit leaves no visible trace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import ray
+
+from tokenloom.catalog.store import TokenCatalog
+from tokenloom.datasets import sources
+from tokenloom.platform.config import IngestConfig
+from tokenloom.platform.sink import ShardSink
+from tokenloom.platform.workers import WORKERS
+from tokenloom.tokenizers.vocab import VocabManifest
+
+
+@dataclass
+class IngestResult:
+    dataset: str
+    job_id: str
+    snapshot_id: int
+    already_committed: bool
+    samples: int
+    tokens: int
+    quarantined: int
+    quarantine_reasons: dict[str, int]
+    skipped_files: list[tuple[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+    input_bytes: int = 0
+
+
+def job_id_for(dataset: str, manifest_hash: str, vocab: VocabManifest, bundles: dict[str, str]) -> str:
+    key = json.dumps([dataset, manifest_hash, vocab.id, sorted(bundles.items())])
+    return "job-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def ensure_ray(config: IngestConfig) -> None:
+    """Connect to the configured cluster, or start a small local Ray with one label per pool."""
+    if ray.is_initialized():
+        return
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = config.ray.progress_bars
+    ctx.print_on_execution_start = config.ray.progress_bars
+    if config.ray.address:
+        ray.init(address=config.ray.address, log_to_driver=False)
+        return
+    labels: dict[str, float] = {}
+    for pool in config.pools.values():
+        if pool.resource_label:
+            labels[pool.resource_label] = labels.get(pool.resource_label, 0) + pool.max_actors
+    ray.init(
+        num_cpus=config.ray.num_cpus or None,
+        resources=labels,
+        object_store_memory=config.ray.object_store_mb * 1024 * 1024,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+
+def _parse_batch(batch: dict) -> pa.Table:
+    rows = {name: [] for name in ("sample_id", "source", "record", "modality", "payload", "error")}
+    for path, data, modality in zip(batch["path"], batch["bytes"], batch["modality"], strict=True):
+        for rec in sources.parse_file(str(path), str(modality), bytes(data)):
+            for name in rows:
+                rows[name].append(getattr(rec, name))
+    return pa.table(rows, schema=pa.schema([(n, pa.string()) for n in rows]))
+
+
+def _read_branch(files: list[sources.SourceFile], config: IngestConfig) -> ray.data.Dataset:
+    paths = [f.path for f in files]
+    modality = files[0].modality
+    kwargs = {"override_num_blocks": config.read_tasks} if config.read_tasks else {}
+    ds = ray.data.read_binary_files(paths, include_paths=True, ray_remote_args={"num_cpus": 0.25}, **kwargs)
+    return ds.map_batches(
+        lambda b: _parse_batch(b | {"modality": [modality] * len(b["path"])}),
+        batch_format="numpy",
+        num_cpus=0.25,
+    )
+
+
+def run_ingest(
+    inputs: Sequence[str | Path],
+    dataset: str,
+    catalog: TokenCatalog,
+    vocab: VocabManifest,
+    bundle_paths: dict[str, str],
+    config: IngestConfig,
+    lineage: dict[str, str] | None = None,
+) -> IngestResult:
+    """Tokenize `inputs` into `dataset`; returns the committed (or already committed) snapshot."""
+    started = time.perf_counter()
+    files, skipped = sources.discover(inputs)
+    if not files:
+        raise ValueError(
+            f"no ingestible files under {', '.join(map(str, inputs))} (routed suffixes: {sorted(sources.ROUTES)})"
+        )
+    by_modality: dict[str, list[sources.SourceFile]] = {}
+    for f in files:
+        by_modality.setdefault(f.modality, []).append(f)
+    for modality in by_modality:
+        config.pool(modality).validate(modality)
+        if modality not in bundle_paths:
+            raise ValueError(f"inputs include {modality} files but no {modality} tokenizer bundle was given")
+    bundles = {m: Path(p).name for m, p in bundle_paths.items() if m in by_modality}
+    manifest_hash = sources.manifest_hash(files)
+    job_id = job_id_for(dataset, manifest_hash, vocab, bundles)
+    input_bytes = sum(f.size for f in files)
+
+    done = catalog.find_job(dataset, job_id)
+    if done is not None:
+        s = catalog.summary(dataset, done.snapshot_id)
+        return IngestResult(dataset, job_id, done.snapshot_id, True, s["job_samples"], s["job_tokens"],
+                            s["quarantined"], s["quarantine_reasons"], skipped, time.perf_counter() - started, input_bytes)
+
+    ensure_ray(config)
+    branches = []
+    for modality, group in sorted(by_modality.items()):
+        pool = config.pool(modality)
+        resources = {pool.resource_label: 1} if pool.resource_label else None
+        branches.append(
+            _read_branch(group, config).map_batches(
+                WORKERS[modality],
+                fn_constructor_kwargs={"bundle_path": str(bundle_paths[modality]), "vocab": vocab.to_dict()},
+                batch_format="pyarrow",
+                batch_size=pool.batch_size,
+                compute=ray.data.ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors),
+                num_cpus=pool.num_cpus,
+                num_gpus=pool.num_gpus or None,
+                resources=resources,
+            )
+        )
+    ds = branches[0].union(*branches[1:]) if len(branches) > 1 else branches[0]
+    sink = ShardSink(catalog.data_location(dataset, job_id), job_id, vocab.id, vocab.size, sorted(bundles.values()))
+    ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
+    out = sink.result
+    if out is None or (out.samples + out.quarantined) == 0:
+        raise RuntimeError(f"ingestion job {job_id} produced no rows; nothing committed")
+    if not out.data_files:
+        raise ValueError(
+            f"every input record was quarantined ({out.quarantined}: {dict(out.reasons)}); nothing to commit"
+        )
+    snap = catalog.commit_job(
+        dataset,
+        job_id,
+        out.data_files,
+        {
+            "samples": str(out.samples),
+            "tokens": str(out.tokens),
+            "quarantined": str(out.quarantined),
+            "quarantine_reasons": dict(sorted(out.reasons.items())),
+            "quarantine_files": out.quarantine_files,
+            "vocab_id": vocab.id,
+            "bundle_ids": sorted(bundles.values()),
+            "sources_hash": manifest_hash,
+            "sources": len(files),
+            "input_bytes": str(input_bytes),
+            **(lineage or {}),
+        },
+    )
+    return IngestResult(dataset, job_id, snap.snapshot_id, False, out.samples, out.tokens, out.quarantined,
+                        dict(out.reasons), skipped, time.perf_counter() - started, input_bytes)

@@ -1,0 +1,132 @@
+"""The shard sink: a Ray Data Datasink that writes token shards and quarantine records.
+
+Each write task validates its rows against the shard contract, writes the good ones as one
+Parquet file under the job's data folder and the rejected ones as a quarantine file, and
+returns what it wrote. Nothing is visible until the driver commits the collected file list
+as one Iceberg snapshot; files of a job that died are unreferenced and `catalog gc` food.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pyarrow import fs as pafs
+from ray.data import Datasink
+from ray.data.datasource.datasink import WriteResult
+
+from tokenloom.catalog.schema import QUARANTINE_SCHEMA, SHARD_SCHEMA, validate_shard_rows
+
+
+@dataclass
+class TaskOutput:
+    data_files: list[str] = field(default_factory=list)
+    quarantine_files: list[str] = field(default_factory=list)
+    samples: int = 0
+    tokens: int = 0
+    quarantined: int = 0
+    reasons: Counter = field(default_factory=Counter)
+
+
+def _reason_class(reason: str) -> str:
+    """Group reasons for the summary: 'malformed JSON: ... at column 3' -> 'malformed JSON'."""
+    return reason.split(":")[0].split(" at byte")[0].strip()
+
+
+class ShardSink(Datasink):
+    def __init__(self, location: str, job_id: str, vocab_id: str, vocab_size: int, bundle_ids: list[str]):
+        self.location = location.rstrip("/")
+        self.job_id = job_id
+        self.vocab_id = vocab_id
+        self.vocab_size = vocab_size
+        self.bundle_ids = list(bundle_ids)
+        self.result: TaskOutput | None = None
+
+    def on_write_start(self, schema=None) -> None:
+        filesystem, path = pafs.FileSystem.from_uri(self.location)
+        filesystem.create_dir(path, recursive=True)
+
+    def write(self, blocks: Iterable[pa.Table], ctx) -> TaskOutput:
+        out = TaskOutput()
+        good_parts, bad_parts = [], []
+        for block in blocks:
+            if not isinstance(block, pa.Table):
+                block = pa.Table.from_pandas(block, preserve_index=False)
+            if block.num_rows == 0:
+                continue
+            good, bad = self._split(block)
+            good_parts.append(good)
+            bad_parts.append(bad)
+        filesystem, base = pafs.FileSystem.from_uri(self.location)
+        name = f"task{ctx.task_idx:05d}-{uuid.uuid4().hex[:12]}"
+        good = pa.concat_tables(good_parts) if good_parts else SHARD_SCHEMA.empty_table()
+        bad = pa.concat_tables(bad_parts) if bad_parts else QUARANTINE_SCHEMA.empty_table()
+        if good.num_rows:
+            path = f"{base}/{name}.parquet"
+            pq.write_table(good, path, filesystem=filesystem, compression="zstd")
+            out.data_files.append(self._uri(path))
+            out.samples = good.num_rows
+            out.tokens = int(pc.sum(good.column("num_tokens")).as_py())
+        if bad.num_rows:
+            path = f"{base}/quarantine/{name}.parquet"
+            filesystem.create_dir(f"{base}/quarantine", recursive=True)
+            pq.write_table(bad, path, filesystem=filesystem)
+            out.quarantine_files.append(self._uri(path))
+            out.quarantined = bad.num_rows
+            out.reasons.update(_reason_class(r) for r in bad.column("reason").to_pylist())
+        return out
+
+    def _uri(self, path: str) -> str:
+        scheme = self.location.split("://", 1)[0] if "://" in self.location else "file"
+        return f"{scheme}://{path}" if not path.startswith(f"{scheme}://") else path
+
+    def _split(self, block: pa.Table) -> tuple[pa.Table, pa.Table]:
+        errors = block.column("error")
+        ok = pc.is_null(errors)
+        candidates = block.filter(ok)
+        n = candidates.num_rows
+        shards = pa.Table.from_arrays(
+            [
+                candidates.column("sample_id"),
+                candidates.column("source"),
+                candidates.column("tokens"),
+                candidates.column("segments"),
+                pc.list_value_length(candidates.column("tokens")).cast(pa.int32()),
+                pa.array([self.vocab_id] * n, pa.string()),
+                pa.array([self.bundle_ids] * n, pa.list_(pa.string())),
+                pa.array([self.job_id] * n, pa.string()),
+            ],
+            schema=SHARD_SCHEMA,
+        )
+        reasons = validate_shard_rows(shards, self.vocab_size)
+        valid = pa.array([r is None for r in reasons])
+        rejected = [(i, r) for i, r in enumerate(reasons) if r is not None]
+        upstream = block.filter(pc.invert(ok))
+        bad = pa.Table.from_pydict(
+            {
+                "source": upstream.column("source").to_pylist() + [candidates["source"][i].as_py() for i, _ in rejected],
+                "record": upstream.column("record").to_pylist() + [candidates["record"][i].as_py() for i, _ in rejected],
+                "reason": upstream.column("error").to_pylist() + [f"validation: {r}" for _, r in rejected],
+                "job_id": [self.job_id] * (upstream.num_rows + len(rejected)),
+            },
+            schema=QUARANTINE_SCHEMA,
+        )
+        return shards.filter(valid), bad
+
+    def on_write_complete(self, write_result: WriteResult) -> None:
+        total = TaskOutput()
+        for part in write_result.write_returns:
+            total.data_files += part.data_files
+            total.quarantine_files += part.quarantine_files
+            total.samples += part.samples
+            total.tokens += part.tokens
+            total.quarantined += part.quarantined
+            total.reasons.update(part.reasons)
+        total.data_files.sort()
+        total.quarantine_files.sort()
+        self.result = total

@@ -1,0 +1,135 @@
+"""The unified vocabulary manifest: one id space for every modality.
+
+Layout (ids ascending): a fixed block of special tokens, then the text BPE range, then the
+visual code range, then one audio code range per RVQ level. Specials come first so that
+adding a modality never moves them; a modality that is absent has an empty range. The
+manifest is a JSON document whose id is the hash of its canonical form, so every shard can
+name exactly the layout its ids mean, and the model is built from the same document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<boi>",  # begin of image
+    "<eoi>",  # end of image
+    "<boa>",  # begin of audio
+    "<eoa>",  # end of audio
+    "<row>",  # end of an image row, when a config asks for row markers
+)
+SPECIAL_BLOCK = 16  # reserved slots, so new specials do not shift the modality ranges
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """Half-open id range [start, stop) owned by one tokenizer (or one RVQ level)."""
+
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def __contains__(self, token_id: int) -> bool:
+        return self.start <= token_id < self.stop
+
+
+@dataclass(frozen=True)
+class VocabManifest:
+    """The id layout. Build with `VocabManifest.build`; read with `load`."""
+
+    text: TokenRange
+    visual: TokenRange
+    audio: tuple[TokenRange, ...]
+    specials: dict[str, int] = field(default_factory=dict)
+    bundles: dict[str, str] = field(default_factory=dict)  # modality -> tokenizer bundle id
+
+    @staticmethod
+    def build(
+        text_size: int,
+        visual_size: int = 0,
+        audio_levels: int = 0,
+        audio_codebook: int = 0,
+        bundles: dict[str, str] | None = None,
+    ) -> VocabManifest:
+        if text_size <= 0:
+            raise ValueError(f"text vocabulary size must be positive, got {text_size}")
+        specials = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
+        text = TokenRange(SPECIAL_BLOCK, SPECIAL_BLOCK + text_size)
+        visual = TokenRange(text.stop, text.stop + visual_size)
+        audio, cursor = [], visual.stop
+        for _ in range(audio_levels):
+            audio.append(TokenRange(cursor, cursor + audio_codebook))
+            cursor += audio_codebook
+        return VocabManifest(text, visual, tuple(audio), specials, dict(bundles or {}))
+
+    @property
+    def size(self) -> int:
+        """Total vocabulary size (embedding rows the model needs)."""
+        return self.audio[-1].stop if self.audio else self.visual.stop
+
+    @property
+    def pad_id(self) -> int:
+        return self.specials["<pad>"]
+
+    @property
+    def bos_id(self) -> int:
+        return self.specials["<bos>"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.specials["<eos>"]
+
+    def to_dict(self) -> dict:
+        return {
+            "format": "tokenloom.vocab/1",
+            "special_block": SPECIAL_BLOCK,
+            "specials": self.specials,
+            "text": [self.text.start, self.text.stop],
+            "visual": [self.visual.start, self.visual.stop],
+            "audio": [[r.start, r.stop] for r in self.audio],
+            "bundles": dict(sorted(self.bundles.items())),
+        }
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def id(self) -> str:
+        """Content hash of the canonical JSON: the manifest's version."""
+        return "vocab-" + hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    @staticmethod
+    def from_dict(doc: dict) -> VocabManifest:
+        if doc.get("format") != "tokenloom.vocab/1":
+            raise ValueError(f"not a TokenLoom vocabulary manifest (format={doc.get('format')!r})")
+        return VocabManifest(
+            text=TokenRange(*doc["text"]),
+            visual=TokenRange(*doc["visual"]),
+            audio=tuple(TokenRange(*r) for r in doc["audio"]),
+            specials={k: int(v) for k, v in doc["specials"].items()},
+            bundles=dict(doc.get("bundles", {})),
+        )
+
+    def save(self, directory: Path) -> Path:
+        """Write `<directory>/<id>.json` (idempotent: same content, same file)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.id}.json"
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+        return path
+
+    @staticmethod
+    def load(path: Path) -> VocabManifest:
+        manifest = VocabManifest.from_dict(json.loads(Path(path).read_text()))
+        expected = Path(path).stem
+        if expected.startswith("vocab-") and manifest.id != expected:
+            raise ValueError(f"vocabulary manifest {path} does not hash to its name (got {manifest.id})")
+        return manifest

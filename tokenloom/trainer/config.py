@@ -1,0 +1,57 @@
+"""Training configuration: optimisation, schedule, precision and logging for one run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    zero_stage: int = 1
+    # bf16 autocast: off by default, since on the CPUs measured here (AMD EPYC, no avx512_bf16)
+    # bf16 matmuls ran 10-100x slower than fp32 (bench/bench_cpu_matmul.py). Turn it on
+    # where the CPU has bf16 units or on a GPU.
+    bf16_autocast: bool = False
+    log_every: int = 10
+    seed: int = 0
+    save_checkpoint: bool = True
+    stop_after: int = 0  # end this invocation after this many steps (0: run to `steps`); resume later
+
+    def validate(self) -> None:
+        if self.steps < 1 or self.micro_batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("train.steps, train.micro_batch_size and train.grad_accum must be >= 1")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"train.zero_stage must be 0, 1 or 2 on this trainer, got {self.zero_stage}")
+        if not 0 <= self.stop_after <= self.steps:
+            raise ValueError(f"train.stop_after ({self.stop_after}) must be between 0 and train.steps ({self.steps})")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be < train.steps ({self.steps})")
+
+    def deepspeed_config(self) -> dict:
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": self.grad_accum,
+            "gradient_clipping": self.grad_clip,
+            "zero_optimization": {"stage": self.zero_stage},
+            "zero_allow_untested_optimizer": True,  # torch AdamW: DeepSpeed's fused Adams need CUDA
+            "scheduler": {
+                "type": "WarmupCosineLR",
+                "params": {
+                    "total_num_steps": self.steps,
+                    "warmup_num_steps": self.warmup_steps,
+                    "warmup_type": "linear",
+                    "cos_min_ratio": self.min_lr_ratio,
+                },
+            },
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
