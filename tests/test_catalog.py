@@ -30,7 +30,7 @@ def _write(catalog: TokenCatalog, name: str, job: str, table: pa.Table) -> list[
 def test_validation_rules():
     good = _rows(3, "j")
     assert validate_shard_rows(good, 100) == [None, None, None]
-    assert "token id 23 outside the vocabulary [0, 20)" == validate_shard_rows(good, 20)[1]
+    assert validate_shard_rows(good, 20)[1] == "token id 23 outside the vocabulary [0, 20)"
     bad = good.to_pylist()
     bad[0]["num_tokens"] += 1
     bad[1]["segments"][0]["start"] = 1

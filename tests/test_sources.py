@@ -1,3 +1,5 @@
+from pathlib import Path
+
 from tokenloom.datasets import sources
 from tokenloom.datasets.samples import write_bad_inputs
 
@@ -8,7 +10,7 @@ def test_bad_inputs_become_quarantine_records_with_reasons(tmp_path):
     assert not skipped and len(files) == len(expected)
     by_file = {}
     for f in files:
-        recs = list(sources.parse_file(f.path, f.modality, open(f.path, "rb").read()))
+        recs = list(sources.parse_file(f.path, f.modality, Path(f.path).read_bytes()))
         by_file[f.path.rsplit("/", 1)[-1]] = recs
     for name, bad_count in expected.items():
         assert sum(r.error is not None for r in by_file[name]) == bad_count, name

@@ -94,3 +94,31 @@ def write_bad_inputs(bad_dir: Path) -> dict[str, int]:
         b'{"text": "Another good line, counted once."}\n'
     )
     return {"latin1.txt": 1, "empty.txt": 1, "image-in-disguise.txt": 1, "mixed.jsonl": 5}
+
+
+def write_source_corpus(out_dir: Path, max_bytes: int = 20_000_000, per_file: int = 2_000_000) -> Path:
+    """A larger real-text corpus for benchmarks: standard-library source files, one record each."""
+    out_dir = Path(out_dir)
+    done = out_dir / ".complete.json"
+    if done.exists() and json.loads(done.read_text()).get("max_bytes") == max_bytes:
+        return out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    written, shard, size, lines = 0, 0, 0, []
+    for path in sorted(root.rglob("*.py")):
+        if written >= max_bytes or "site-packages" in path.parts:
+            break
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        lines.append(json.dumps({"text": text, "name": str(path.relative_to(root))}, ensure_ascii=False))
+        written += len(text)
+        size += len(text)
+        if size >= per_file:
+            (out_dir / f"stdlib-src-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
+            shard, size, lines = shard + 1, 0, []
+    if lines:
+        (out_dir / f"stdlib-src-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
+    done.write_text(json.dumps({"max_bytes": max_bytes, "bytes": written}))
+    return out_dir

@@ -84,12 +84,11 @@ def _read_branch(files: list[sources.SourceFile], config: IngestConfig) -> ray.d
     paths = [f.path for f in files]
     modality = files[0].modality
     kwargs = {"override_num_blocks": config.read_tasks} if config.read_tasks else {}
-    ds = ray.data.read_binary_files(paths, include_paths=True, ray_remote_args={"num_cpus": 0.25}, **kwargs)
-    return ds.map_batches(
-        lambda b: _parse_batch(b | {"modality": [modality] * len(b["path"])}),
-        batch_format="numpy",
-        num_cpus=0.25,
-    )
+    # read and parse fuse into one task (same resources), so each file is handled by one
+    # worker process: on small machines process count, not compute, is the overhead to avoid
+    ds = ray.data.read_binary_files(paths, include_paths=True, **kwargs)
+    return ds.map_batches(lambda b: _parse_batch(b | {"modality": [modality] * len(b["path"])}),
+                          batch_format="numpy")
 
 
 def run_ingest(
@@ -131,8 +130,11 @@ def run_ingest(
     for modality, group in sorted(by_modality.items()):
         pool = config.pool(modality)
         resources = {pool.resource_label: 1} if pool.resource_label else None
+        # blocks of one pool batch each: a file can hold thousands of records, and a whole-file
+        # block would pin one actor while the others idle
+        records = _read_branch(group, config).repartition(target_num_rows_per_block=pool.batch_size)
         branches.append(
-            _read_branch(group, config).map_batches(
+            records.map_batches(
                 WORKERS[modality],
                 fn_constructor_kwargs={"bundle_path": str(bundle_paths[modality]), "vocab": vocab.to_dict()},
                 batch_format="pyarrow",
@@ -145,7 +147,7 @@ def run_ingest(
         )
     ds = branches[0].union(*branches[1:]) if len(branches) > 1 else branches[0]
     sink = ShardSink(catalog.data_location(dataset, job_id), job_id, vocab.id, vocab.size, sorted(bundles.values()))
-    ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.25})
+    ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.5})
     out = sink.result
     if out is None or (out.samples + out.quarantined) == 0:
         raise RuntimeError(f"ingestion job {job_id} produced no rows; nothing committed")

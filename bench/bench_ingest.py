@@ -1,0 +1,79 @@
+"""Ingestion throughput: the Ray Data job against HF `tokenizers` `encode_batch` alone.
+
+Same corpus (standard-library sources, ~20 MB of real text), same tokenizer bundle, same
+cores. The peer reads the JSON-lines files and calls `encode_batch` (Rust, all cores); the
+job reads, parses, routes, tokenizes on the text actor pool, validates, writes Parquet
+shards and commits an Iceberg snapshot. Ray is started before timing (a cluster is
+long-lived); its start-up is printed separately. Prints throughputs and their ratio.
+
+    .venv/bin/python bench/bench_ingest.py [--mb 20] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from tokenloom.catalog import CatalogConfig, TokenCatalog
+from tokenloom.datasets.samples import write_source_corpus
+from tokenloom.platform.config import IngestConfig
+from tokenloom.platform.ingest import ensure_ray, run_ingest
+from tokenloom.tokenizers.text import TextTokenizer, TextTokenizerConfig, train_text_tokenizer
+from tokenloom.tokenizers.vocab import VocabManifest
+
+
+def peer(corpus: Path, tok: TextTokenizer) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    tokens = 0
+    for path in sorted(corpus.glob("*.jsonl")):
+        texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line]
+        tokens += sum(len(e.ids) for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False))
+    return time.perf_counter() - t0, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=20)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=256)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tl-bench-"))
+    cache = Path(os.environ.get("TOKENLOOM_BENCH_CACHE", "/tmp/tokenloom-bench-corpus"))
+    corpus = write_source_corpus(cache / f"src-{args.mb:g}mb", max_bytes=int(args.mb * 1e6))
+    nbytes = sum(p.stat().st_size for p in corpus.glob("*.jsonl"))
+    texts = (json.loads(line)["text"] for p in sorted(corpus.glob("*.jsonl"))[:2] for line in p.read_text().splitlines())
+    info = train_text_tokenizer(texts, work / "bundles", TextTokenizerConfig(vocab_size=4096))
+    tok = TextTokenizer.load(info.path)
+    vocab = VocabManifest.build(tok.vocab_size, bundles={"text": info.id})
+    cfg = IngestConfig()
+    cfg.ray.progress_bars = False
+    cfg.pools["text"].batch_size = args.batch_size
+    t0 = time.perf_counter()
+    ensure_ray(cfg)
+    ray_start = time.perf_counter() - t0
+    print(f"corpus {nbytes / 1e6:.1f} MB in {len(list(corpus.glob('*.jsonl')))} files; cores {os.cpu_count()}; "
+          f"ray start {ray_start:.1f} s")
+    rows = []
+    for rep in range(args.repeats):
+        peer_s, peer_tokens = peer(corpus, tok)
+        catalog = TokenCatalog(CatalogConfig(), work / f"home{rep}")
+        result = run_ingest([corpus], "bench", catalog, vocab, {"text": str(info.path)}, cfg)
+        job_tokens = result.tokens - 2 * result.samples  # minus <bos>/<eos>
+        if job_tokens != peer_tokens:
+            raise SystemExit(f"token counts differ: job {job_tokens} vs peer {peer_tokens}")
+        rows.append((peer_s, result.seconds))
+        print(f"  run {rep}: peer {nbytes / peer_s / 1e6:6.2f} MB/s   job {nbytes / result.seconds / 1e6:6.2f} MB/s   "
+              f"ratio job/peer {peer_s / result.seconds:.2f}")
+    best_peer, best_job = min(r[0] for r in rows), min(r[1] for r in rows)
+    print(f"best: peer {best_peer:.1f} s, job {best_job:.1f} s -> throughput ratio job/peer = {best_peer / best_job:.2f} "
+          f"({peer_tokens:,} tokens, {nbytes / 1e6:.1f} MB)")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
