@@ -97,27 +97,35 @@ def write_bad_inputs(bad_dir: Path) -> dict[str, int]:
 
 
 def write_source_corpus(out_dir: Path, max_bytes: int = 20_000_000, per_file: int = 2_000_000) -> Path:
-    """A larger real-text corpus for benchmarks: standard-library source files, one record each."""
+    """A larger real-text corpus for benchmarks: standard-library source files, one record each.
+
+    The standard library holds about 11 MB of source; past that the files are taken again in
+    further passes (records named `pass-N/...`), so a benchmark can size its corpus freely.
+    """
     out_dir = Path(out_dir)
     done = out_dir / ".complete.json"
     if done.exists() and json.loads(done.read_text()).get("max_bytes") == max_bytes:
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     root = Path(sysconfig.get_paths()["stdlib"])
-    written, shard, size, lines = 0, 0, 0, []
-    for path in sorted(root.rglob("*.py")):
-        if written >= max_bytes or "site-packages" in path.parts:
-            break
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        lines.append(json.dumps({"text": text, "name": str(path.relative_to(root))}, ensure_ascii=False))
-        written += len(text)
-        size += len(text)
-        if size >= per_file:
-            (out_dir / f"stdlib-src-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
-            shard, size, lines = shard + 1, 0, []
+    files = [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts]
+    written, shard, size, lines, pass_no = 0, 0, 0, [], 0
+    while written < max_bytes:
+        for path in files:
+            if written >= max_bytes:
+                break
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            name = f"pass-{pass_no}/{path.relative_to(root)}"
+            lines.append(json.dumps({"text": text, "name": name}, ensure_ascii=False))
+            written += len(text)
+            size += len(text)
+            if size >= per_file:
+                (out_dir / f"stdlib-src-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
+                shard, size, lines = shard + 1, 0, []
+        pass_no += 1
     if lines:
         (out_dir / f"stdlib-src-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
     done.write_text(json.dumps({"max_bytes": max_bytes, "bytes": written}))
