@@ -5,6 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenloom.catalog import SHARD_SCHEMA, CatalogConfig, DatasetNotFound, TokenCatalog, validate_shard_rows
+from tokenloom.catalog.stats import shard_stats
 
 
 def _rows(n: int, job: str, start: int = 0) -> pa.Table:
@@ -55,14 +56,16 @@ def test_commit_then_read_back_equals_written(tmp_path):
 
 def test_jobs_are_committed_once_and_versions_are_readable(tmp_path):
     catalog = TokenCatalog(CatalogConfig(), tmp_path)
-    s1 = catalog.commit_job("ds", "job-a", _write(catalog, "ds", "job-a", _rows(5, "job-a")), {"tokens": 10})
-    again = catalog.commit_job("ds", "job-a", [], {"tokens": 10})
+    a, b = _rows(5, "job-a"), _rows(7, "job-b", 5)
+    s1 = catalog.commit_job("ds", "job-a", _write(catalog, "ds", "job-a", a), {}, stats=shard_stats(a))
+    again = catalog.commit_job("ds", "job-a", [], {})
     assert again.snapshot_id == s1.snapshot_id and len(catalog.history("ds")) == 1
-    s2 = catalog.commit_job("ds", "job-b", _write(catalog, "ds", "job-b", _rows(7, "job-b", 5)), {"tokens": 14})
+    s2 = catalog.commit_job("ds", "job-b", _write(catalog, "ds", "job-b", b), {}, stats=shard_stats(b))
     assert [s.snapshot_id for s in catalog.history("ds")] == [s1.snapshot_id, s2.snapshot_id]
     assert catalog.scan("ds", at=s1.snapshot_id).num_rows == 5
     assert catalog.scan("ds").num_rows == 12
-    assert catalog.summary("ds")["tokens"] == 24  # running total across jobs
+    assert catalog.summary("ds")["tokens"] == sum(a["num_tokens"].to_pylist() + b["num_tokens"].to_pylist())
+    assert catalog.summary("ds", at=s1.snapshot_id)["tokens"] == sum(a["num_tokens"].to_pylist())
 
 
 def test_unknown_names_and_bad_names(tmp_path):

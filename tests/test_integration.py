@@ -87,3 +87,18 @@ def test_training_resumes_exactly_from_its_checkpoint(demo_home):
     assert (first["steps"], second["steps"]) == (3, 3)
     assert first["losses"] == pytest.approx(straight["losses"][:3], rel=1e-6)
     assert second["losses"] == pytest.approx(straight["losses"][3:], rel=1e-5)
+
+
+def test_catalog_tag_stats_verify_and_query_from_the_command_line(demo_home):
+    home, s = demo_home
+    tagged = _cli("catalog", "tag", "stdlib-docs", "demo-v1", "--json", home=home)
+    assert tagged["snapshot_id"] == s["snapshot_id"]
+    stats = _cli("catalog", "stats", "stdlib-docs", "--at", "demo-v1", "--json", home=home)
+    assert stats["stats"]["samples"] == s["samples"] and stats["stats"]["tokens"] == s["tokens"]
+    assert stats["stats"]["modalities"]["text"]["tokens"] == s["tokens"]
+    assert sum(stats["stats"]["length_hist"]) == s["samples"] and stats["total_quarantined"] == 8
+    verified = _cli("catalog", "verify", "stdlib-docs", "--json", home=home)
+    assert verified["problems"] == [] and verified["files_checked"] >= 1
+    rows = _cli("catalog", "query", 'SELECT count(*) AS n, sum(num_tokens) AS t FROM "stdlib-docs"',
+                "--format", "json", home=home)
+    assert rows == [{"n": s["samples"], "t": s["tokens"]}]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import tokenloom
 from tokenloom.catalog import TokenCatalog
+from tokenloom.catalog.stats import hist_edges
 from tokenloom.datasets import shard_files, sources
 from tokenloom.datasets.samples import write_sample_corpus
 from tokenloom.runconfig import RunConfig
@@ -136,14 +137,48 @@ def catalog_show(home: Home, cfg: RunConfig, dataset: str, at: str | None = None
 def catalog_history(home: Home, cfg: RunConfig, dataset: str) -> list[dict]:
     catalog = open_catalog(home, cfg)
     out = []
+    tags = catalog.tags(dataset)
     for snap in catalog.history(dataset):
         tl = snap.tokenloom
         out.append({"snapshot_id": snap.snapshot_id, "timestamp_ms": snap.timestamp_ms,
                     "operation": snap.operation, "job_id": tl.get("job_id"),
                     "samples": int(tl.get("samples", 0)), "tokens": int(tl.get("tokens", 0)),
                     "quarantined": int(tl.get("quarantined", 0)),
-                    "total_records": int(snap.properties.get("total-records", 0))})
+                    "total_records": int(snap.properties.get("total-records", 0)),
+                    "tags": sorted(t for t, sid in tags.items() if sid == snap.snapshot_id)})
     return out
+
+
+def catalog_stats(home: Home, cfg: RunConfig, dataset: str, at: str | None = None) -> dict:
+    s = open_catalog(home, cfg).summary(dataset, at)
+    keys = ("dataset", "snapshot_id", "tags", "samples", "tokens", "total_quarantined", "stats", "job_id", "job_samples",
+            "job_tokens", "quarantined", "quarantine_reasons")
+    return {k: s.get(k) for k in keys} | {"length_hist_edges": hist_edges()}
+
+
+def catalog_tag(home: Home, cfg: RunConfig, dataset: str, tag: str, at: str | None = None) -> dict:
+    snapshot_id = open_catalog(home, cfg).tag(dataset, tag, at)
+    return {"dataset": dataset, "tag": tag, "snapshot_id": snapshot_id}
+
+
+def catalog_query(home: Home, cfg: RunConfig, sql: str):
+    from tokenloom.catalog.query import query
+
+    return query(open_catalog(home, cfg), sql)
+
+
+def catalog_verify(home: Home, cfg: RunConfig, dataset: str, at: str | None = None):
+    from tokenloom.catalog.maintenance import verify
+
+    return verify(open_catalog(home, cfg), dataset, at)
+
+
+def catalog_gc(home: Home, cfg: RunConfig, dataset: str | None, older_than_s: float, dry_run: bool = False) -> list:
+    from tokenloom.catalog.maintenance import gc
+
+    catalog = open_catalog(home, cfg)
+    names = [dataset] if dataset else catalog.list_datasets()
+    return [gc(catalog, name, older_than_s, dry_run) for name in names]
 
 
 # -- training -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import os
 import sys
 from dataclasses import asdict, is_dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated
 
@@ -37,6 +38,8 @@ HomeOpt = Annotated[Path | None, typer.Option("--home", help="State folder (defa
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Run config (TOML).")]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="Config overrides: key=value, e.g. train.steps=50")]
+CatalogUriOpt = Annotated[str | None, typer.Option("--catalog-uri", help="SQLAlchemy URI of the catalog "
+                                                   "(default: SQLite under home; postgresql+psycopg2://...).")]
 
 
 def _user_errors(fn):
@@ -75,18 +78,22 @@ def _emit_json(doc) -> None:
     def default(o):
         if is_dataclass(o):
             return asdict(o)
-        if isinstance(o, Path):
-            return str(o)
-        raise TypeError(type(o))
+        if isinstance(o, Decimal):
+            return int(o) if o == o.to_integral_value() else float(o)
+        return str(o)  # paths, timestamps, and whatever else a query returns
 
     sys.stdout.write(json.dumps(doc, default=default, indent=2) + "\n")
 
 
-def _setup(home: Path | None, config: Path | None = None, overrides: list[str] | None = None, base=None):
+def _setup(home: Path | None, config: Path | None = None, overrides: list[str] | None = None, base=None,
+           catalog_uri: str | None = None):
     from tokenloom import api
     from tokenloom.runconfig import load_run_config
 
-    return api, api.Home.resolve(home), load_run_config(config, overrides or [], base=base)
+    cfg = load_run_config(config, overrides or [], base=base)
+    if catalog_uri:
+        cfg.catalog.uri = catalog_uri
+    return api, api.Home.resolve(home), cfg
 
 
 def _when(ms: int) -> str:
@@ -153,15 +160,13 @@ def ingest(
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="Text bundle id or path (default: newest).")] = None,
     home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
     ray_address: Annotated[str | None, typer.Option("--ray-address", help="Ray cluster (default: local).")] = None,
-    catalog_uri: Annotated[str | None, typer.Option("--catalog-uri", help="SQLAlchemy URI of the catalog.")] = None,
+    catalog_uri: CatalogUriOpt = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value (repeatable).")] = None,
 ):
     """Tokenize inputs on the modality pools (Ray Data) and commit them as one snapshot."""
-    api, home_, cfg = _setup(home, config, overrides)
+    api, home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
     if ray_address:
         cfg.ingest.ray.address = ray_address
-    if catalog_uri:
-        cfg.catalog.uri = catalog_uri
     cfg.ingest.ray.progress_bars = not json_out
     with _quiet_stdout(json_out):
         r = api.ingest(home_, paths, dataset, cfg, text_bundle=tokenizer)
@@ -177,9 +182,9 @@ def ingest(
 
 @catalog_app.command("ls")
 @_user_errors
-def catalog_ls(home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None):
+def catalog_ls(home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
     """List datasets with their latest snapshot's counts."""
-    api, home_, cfg = _setup(home, config)
+    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
     rows = api.catalog_ls(home_, cfg)
     if json_out:
         return _emit_json(rows)
@@ -192,10 +197,11 @@ def catalog_ls(home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOp
 
 @catalog_app.command("show")
 @_user_errors
-def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help="Snapshot id.")] = None,
-                 home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None):
+def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag.")] = None,
+                 home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
+                 catalog_uri: CatalogUriOpt = None):
     """Counts, quarantine and lineage of a dataset snapshot (latest by default)."""
-    api, home_, cfg = _setup(home, config)
+    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
     s = api.catalog_show(home_, cfg, name, at)
     if json_out:
         return _emit_json(s)
@@ -210,30 +216,134 @@ def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help=
 
 @catalog_app.command("history")
 @_user_errors
-def catalog_history(name: str, home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None):
+def catalog_history(name: str, home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
     """Snapshots of a dataset, oldest first."""
-    api, home_, cfg = _setup(home, config)
+    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
     rows = api.catalog_history(home_, cfg, name)
     if json_out:
         return _emit_json(rows)
-    t = Table("snapshot", "committed", "job", "samples", "tokens", "quarantined", "total rows")
+    t = Table("snapshot", "committed", "tags", "job", "samples", "tokens", "quarantined", "total rows")
     for r in rows:
-        t.add_row(str(r["snapshot_id"]), _when(r["timestamp_ms"]), str(r["job_id"]), f"{r['samples']:,}",
-                  f"{r['tokens']:,}", str(r["quarantined"]), f"{r['total_records']:,}")
+        t.add_row(str(r["snapshot_id"]), _when(r["timestamp_ms"]), ", ".join(r["tags"]), str(r["job_id"]),
+                  f"{r['samples']:,}", f"{r['tokens']:,}", str(r["quarantined"]), f"{r['total_records']:,}")
     console.print(t)
+
+
+AtOpt = Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")]
+
+
+@catalog_app.command("stats")
+@_user_errors
+def catalog_stats(name: str, at: AtOpt = None, home: HomeOpt = None, json_out: JsonOpt = False,
+                  config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
+    """Per-modality counts and the sequence-length histogram, stored at commit (no data is read)."""
+    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    s = api.catalog_stats(home_, cfg, name, at)
+    if json_out:
+        return _emit_json(s)
+    st = s["stats"]
+    console.print(f"[bold]{name}[/] @ {s['snapshot_id']} {('(' + ', '.join(s['tags']) + ')') if s['tags'] else ''}: "
+                  f"{st['samples']:,} samples, {st['tokens']:,} tokens, {s['total_quarantined']} quarantined")
+    t = Table("modality", "samples", "tokens", "share of tokens")
+    for modality, m in st["modalities"].items():
+        t.add_row(modality, f"{m['samples']:,}", f"{m['tokens']:,}", f"{m['tokens'] / max(st['tokens'], 1):.1%}")
+    console.print(t)
+    h = Table("sequence length", "samples", "")
+    peak = max(st["length_hist"]) or 1
+    edges = s["length_hist_edges"]
+    for b, count in enumerate(st["length_hist"]):
+        if count:
+            h.add_row(f"[{edges[b]}, {edges[b + 1]})", f"{count:,}", "#" * max(1, round(40 * count / peak)))
+    console.print(h)
+
+
+@catalog_app.command("tag")
+@_user_errors
+def catalog_tag(name: str, tag: str, at: AtOpt = None, home: HomeOpt = None, json_out: JsonOpt = False,
+                config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
+    """Name a snapshot (default: the current one); read it later with --at TAG."""
+    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    doc = api.catalog_tag(home_, cfg, name, tag, at)
+    if json_out:
+        return _emit_json(doc)
+    console.print(f"tagged {name}@{doc['snapshot_id']} as [bold]{tag}[/]")
+
+
+@catalog_app.command("query")
+@_user_errors
+def catalog_query(sql: str, fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+                  home: HomeOpt = None, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
+    """Read-only SQL (DuckDB) over the catalog; each dataset is a table of its current snapshot."""
+    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    if fmt not in ("table", "csv", "json"):
+        raise ValueError(f"--format must be table, csv or json, got {fmt!r}")
+    result = api.catalog_query(home_, cfg, sql)
+    if fmt == "csv":
+        import pyarrow.csv as pacsv
+
+        sink = sys.stdout.buffer
+        pacsv.write_csv(result, sink)
+        sink.flush()
+        return None
+    rows = result.to_pylist()
+    if fmt == "json":
+        return _emit_json(rows)
+    t = Table(*result.column_names)
+    for row in rows[:200]:
+        t.add_row(*(str(v) for v in row.values()))
+    console.print(t)
+    if len(rows) > 200:
+        console.print(f"... {len(rows) - 200} more rows (use --format csv)")
+
+
+@catalog_app.command("verify")
+@_user_errors
+def catalog_verify(name: str, at: AtOpt = None, home: HomeOpt = None, json_out: JsonOpt = False,
+                   config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
+    """Re-read every data file of a snapshot and compare it with the checksum recorded at commit."""
+    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    report = api.catalog_verify(home_, cfg, name, at)
+    if json_out:
+        _emit_json(report)
+    else:
+        for p in report.problems:
+            console.print(f"[red]{p['path']}[/]: {p['problem']}", highlight=False, soft_wrap=True)
+        console.print(f"{name}@{report.snapshot_id}: {report.files_checked} files checked, "
+                      f"{len(report.problems)} problems")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@catalog_app.command("gc")
+@_user_errors
+def catalog_gc(name: Annotated[str | None, typer.Argument(help="Dataset (default: all).")] = None,
+               older_than: Annotated[float, typer.Option("--older-than", help="Grace period in hours.")] = 1.0,
+               dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+               home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
+               catalog_uri: CatalogUriOpt = None):
+    """Delete data files no snapshot references (left by jobs that died before committing)."""
+    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    reports = api.catalog_gc(home_, cfg, name, older_than * 3600, dry_run)
+    if json_out:
+        return _emit_json(reports)
+    for r in reports:
+        verb = "would delete" if dry_run else "deleted"
+        console.print(f"{r.dataset}: {verb} {len(r.deleted)} unreferenced files, kept {len(r.kept_recent)} younger "
+                      f"than {older_than} h, {r.referenced} referenced")
 
 
 @app.command()
 @_user_errors
 def train(
     dataset: Annotated[str, typer.Option("--dataset")],
-    at: Annotated[str | None, typer.Option("--at", help="Snapshot id (default: current).")] = None,
+    at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
     steps: Annotated[int | None, typer.Option("--steps")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="Checkpoint folder to continue from.")] = None,
-    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None,
+    overrides: OverridesArg = None,
 ):
     """Train the model on a catalog snapshot, streaming its shards (DeepSpeed, ZeRO-1)."""
-    api, home_, cfg = _setup(home, config, overrides)
+    api, home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
     if steps is not None:
         cfg.train.steps = steps
     with _quiet_stdout(json_out):

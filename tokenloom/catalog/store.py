@@ -12,17 +12,28 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 from pyiceberg.catalog.sql import SqlCatalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.exceptions import (
+    CommitFailedException,
+    NamespaceAlreadyExistsError,
+    NoSuchTableError,
+    TableAlreadyExistsError,
+)
 
 from tokenloom.catalog.names import check_name
 from tokenloom.catalog.schema import SHARD_SCHEMA
+from tokenloom.catalog.stats import empty_stats, merge_stats
 
 PROP = "tokenloom."  # prefix of our snapshot-summary properties
+# One ingestion job is one append; merging small manifests at commit keeps scan planning from
+# reading one manifest per job forever (measured in bench/bench_catalog.py).
+TABLE_PROPERTIES = {"commit.manifest-merge.enabled": "true", "commit.manifest.min-count-to-merge": "8"}
 
 
 class DatasetNotFound(LookupError):
@@ -54,6 +65,7 @@ class SnapshotInfo:
     timestamp_ms: int
     operation: str
     properties: dict[str, str]
+    parent_id: int | None = None
 
     @property
     def tokenloom(self) -> dict[str, str]:
@@ -98,7 +110,7 @@ class TokenCatalog:
 
     def ensure_dataset(self, name: str):
         try:
-            return self._catalog.create_table(self._ident(name), schema=SHARD_SCHEMA)
+            return self._catalog.create_table(self._ident(name), schema=SHARD_SCHEMA, properties=TABLE_PROPERTIES)
         except TableAlreadyExistsError:
             return self._catalog.load_table(self._ident(name))
 
@@ -107,34 +119,61 @@ class TokenCatalog:
         return f"{self.ensure_dataset(name).metadata.location}/data/{check_name(job_id, 'job id')}"
 
     # -- snapshots ------------------------------------------------------------------------
-    def history(self, name: str) -> list[SnapshotInfo]:
-        table = self.table(name)
+    def history(self, name: str, table=None) -> list[SnapshotInfo]:
+        table = table or self.table(name)
         out = []
         for snap in table.metadata.snapshots:
             summary = snap.summary
             props = dict(summary.additional_properties) if summary else {}
             op = summary.operation.value if summary else "unknown"
-            out.append(SnapshotInfo(snap.snapshot_id, snap.timestamp_ms, op, props))
+            out.append(SnapshotInfo(snap.snapshot_id, snap.timestamp_ms, op, props, snap.parent_snapshot_id))
         return out
 
-    def snapshot(self, name: str, at: str | int | None = None) -> SnapshotInfo | None:
-        """The snapshot `at` (id) or the current one; None for a dataset with no commit yet."""
-        snaps = self.history(name)
+    def snapshot(self, name: str, at: str | int | None = None, table=None) -> SnapshotInfo | None:
+        """The snapshot `at` (an id or a tag) or the current one; None for a dataset with no commit yet."""
+        table = table or self.table(name)
+        snaps = self.history(name, table)
         if not snaps:
             return None
         if at is None:
-            current = self.table(name).metadata.current_snapshot_id
-            return next(s for s in snaps if s.snapshot_id == current)
-        try:
+            wanted = table.metadata.current_snapshot_id
+        elif isinstance(at, int) or str(at).isdigit():
             wanted = int(at)
-        except (TypeError, ValueError):
-            raise ValueError(f"snapshot must be a numeric snapshot id, got {at!r}") from None
+        else:
+            check_name(str(at), "tag")
+            tagged = table.snapshot_by_name(str(at))
+            if tagged is None:
+                tags = ", ".join(sorted(self.tags(name))) or "none"
+                raise DatasetNotFound(f"dataset {name!r} has no tag {at!r} (tags: {tags})")
+            wanted = tagged.snapshot_id
         for snap in snaps:
             if snap.snapshot_id == wanted:
                 return snap
-        raise DatasetNotFound(
-            f"dataset {name!r} has no snapshot {at}; see `tokenloom catalog history {name}`"
-        )
+        raise DatasetNotFound(f"dataset {name!r} has no snapshot {at}; see `tokenloom catalog history {name}`")
+
+    def ancestry(self, name: str, snap: SnapshotInfo) -> list[SnapshotInfo]:
+        """`snap` and the snapshots it was built on, oldest first: what the table holds at `snap`."""
+        by_id = {s.snapshot_id: s for s in self.history(name)}
+        chain, cursor = [], snap
+        while cursor is not None:
+            chain.append(cursor)
+            cursor = by_id.get(cursor.parent_id) if cursor.parent_id is not None else None
+        return chain[::-1]
+
+    def tags(self, name: str) -> dict[str, int]:
+        refs = self.table(name).metadata.refs
+        return {ref: r.snapshot_id for ref, r in refs.items() if r.snapshot_ref_type.value == "tag"}
+
+    def tag(self, name: str, tag: str, at: str | int | None = None) -> int:
+        """Point tag `tag` at snapshot `at` (default: current); returns the snapshot id."""
+        check_name(tag, "tag")
+        snap = self.snapshot(name, at)
+        if snap is None:
+            raise ValueError(f"dataset {name!r} has no snapshot to tag")
+        if tag in self.tags(name):
+            raise ValueError(f"tag {tag!r} already exists on {name!r}; tags are immutable, pick another name")
+        self.table(name).manage_snapshots().create_tag(snap.snapshot_id, tag).commit()
+        return snap.snapshot_id
 
     def exists(self, name: str) -> bool:
         return self._catalog.table_exists(self._ident(name))
@@ -147,37 +186,66 @@ class TokenCatalog:
                 return snap
         return None
 
-    def commit_job(self, name: str, job_id: str, files: list[str], properties: dict[str, object]) -> SnapshotInfo:
-        """Commit a job's data files as one snapshot; a job already committed is not committed again."""
-        existing = self.find_job(name, job_id)
-        if existing is not None:
-            return existing
-        table = self.ensure_dataset(name)
-        previous = self.snapshot(name)
-        total_tokens = int(previous.tokenloom.get("total_tokens", 0)) if previous else 0
-        total_tokens += int(properties.get("tokens", 0))  # type: ignore[arg-type]
-        props = {PROP + "job_id": job_id, PROP + "total_tokens": str(total_tokens)}
-        props.update({PROP + k: v if isinstance(v, str) else json.dumps(v) for k, v in properties.items()})
-        table.add_files(file_paths=list(files), snapshot_properties=props)
-        committed = self.find_job(name, job_id)
-        if committed is None:  # pragma: no cover - pyiceberg always records a snapshot
-            raise RuntimeError(f"commit of job {job_id} left no snapshot")
-        return committed
+    def commit_job(self, name: str, job_id: str, files: list[str], properties: dict[str, object],
+                   stats: dict | None = None, attempts: int = 20) -> SnapshotInfo:
+        """Commit a job's data files as one snapshot, exactly once.
+
+        A job already committed is not committed again. On a conflict with another writer the
+        commit is retried on the refreshed table (with jittered back-off).
+        """
+        for attempt in range(attempts):
+            existing = self.find_job(name, job_id)
+            if existing is not None:
+                return existing
+            table = self.ensure_dataset(name)
+            # only the job's own figures are stored: totals are summed over a snapshot's ancestry
+            # when read, so they stay exact whichever order concurrent writers land in
+            props = {PROP + "job_id": job_id}
+            props.update({PROP + k: v if isinstance(v, str) else json.dumps(v) for k, v in properties.items()})
+            props[PROP + "stats"] = json.dumps(stats or empty_stats())
+            try:
+                table.add_files(file_paths=list(files), snapshot_properties=props)
+            except CommitFailedException:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(random.uniform(0.05, 0.3) * (1 + attempt))
+                continue
+            committed = self.find_job(name, job_id)
+            if committed is not None:
+                return committed
+        raise RuntimeError(f"commit of job {job_id} to {name!r} did not land after {attempts} attempts")
 
     # -- reads ----------------------------------------------------------------------------
     def data_files(self, name: str, at: str | int | None = None) -> list[DataFile]:
-        snap = self.snapshot(name, at)
+        table = self.table(name)
+        snap = self.snapshot(name, at, table)
         if snap is None:
             return []
-        tasks = self.table(name).scan(snapshot_id=snap.snapshot_id).plan_files()
+        tasks = table.scan(snapshot_id=snap.snapshot_id).plan_files()
         files = [DataFile(t.file.file_path, t.file.record_count, t.file.file_size_in_bytes) for t in tasks]
         return sorted(files, key=lambda f: f.path)
 
-    def scan(self, name: str, at: str | int | None = None, columns: tuple[str, ...] = ("*",)) -> pa.Table:
-        snap = self.snapshot(name, at)
+    def scan(self, name: str, at: str | int | None = None, where: str | None = None,
+             columns: tuple[str, ...] = ("*",)) -> pa.Table:
+        """Rows of a snapshot as Arrow; `where` is an Iceberg filter expression pushed into the scan
+        (for example "num_tokens > 100 and source = 'a.txt'")."""
+        table = self.table(name)
+        snap = self.snapshot(name, at, table)
         if snap is None:
             return SHARD_SCHEMA.empty_table()
-        return self.table(name).scan(snapshot_id=snap.snapshot_id, selected_fields=columns).to_arrow()
+        kwargs = {"row_filter": where} if where else {}
+        return table.scan(snapshot_id=snap.snapshot_id, selected_fields=columns, **kwargs).to_arrow()
+
+    def referenced_files(self, name: str) -> set[str]:
+        """Every file any snapshot still needs: data files plus the jobs' side files."""
+        table = self.table(name)
+        keep: set[str] = set()
+        for snap in self.history(name):
+            keep.update(t.file.file_path for t in table.scan(snapshot_id=snap.snapshot_id).plan_files())
+            tl = snap.tokenloom
+            keep.update(json.loads(tl.get("quarantine_files", "[]")))
+            keep.update(v for k, v in tl.items() if k.endswith("_file") and v)
+        return keep
 
     def summary(self, name: str, at: str | int | None = None) -> dict:
         """Counts and lineage of a snapshot, from its summary (no data is read)."""
@@ -186,15 +254,18 @@ class TokenCatalog:
         if snap is None:
             return out | {"snapshot_id": None, "samples": 0, "tokens": 0, "quarantined": 0}
         tl = snap.tokenloom
+        chain = self.ancestry(name, snap)
+        totals = merge_stats(*(json.loads(s.tokenloom.get("stats", "null")) or empty_stats() for s in chain))
         out |= {
             "snapshot_id": snap.snapshot_id,
             "timestamp_ms": snap.timestamp_ms,
             "job_id": tl.get("job_id"),
             "samples": int(snap.properties.get("total-records", 0)),
-            "tokens": int(tl.get("total_tokens", 0)),
+            "tokens": totals["tokens"],
             "job_samples": int(tl.get("samples", 0)),
             "job_tokens": int(tl.get("tokens", 0)),
             "quarantined": int(tl.get("quarantined", 0)),
+            "total_quarantined": sum(int(s.tokenloom.get("quarantined", 0)) for s in chain),
             "quarantine_reasons": json.loads(tl.get("quarantine_reasons", "{}")),
             "quarantine_files": json.loads(tl.get("quarantine_files", "[]")),
             "data_files": int(snap.properties.get("total-data-files", 0)),
@@ -202,5 +273,10 @@ class TokenCatalog:
             "bundle_ids": json.loads(tl.get("bundle_ids", "[]")),
             "sources_hash": tl.get("sources_hash"),
             "code_version": tl.get("code_version"),
+            "sources_file": tl.get("sources_file"),
+            "checksums_file": tl.get("checksums_file"),
+            "stats": totals,
+            "job_stats": json.loads(tl.get("stats", "null")) or empty_stats(),
+            "tags": sorted(t for t, sid in self.tags(name).items() if sid == snap.snapshot_id),
         }
         return out

@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import ray
 
+from tokenloom.catalog.maintenance import write_json
 from tokenloom.catalog.store import TokenCatalog
 from tokenloom.datasets import sources
 from tokenloom.platform.config import IngestConfig
@@ -155,6 +156,10 @@ def run_ingest(
         raise ValueError(
             f"every input record was quarantined ({out.quarantined}: {dict(out.reasons)}); nothing to commit"
         )
+    location = catalog.data_location(dataset, job_id)
+    checksums_file, sources_file = f"{location}/_checksums.json", f"{location}/_sources.json"
+    write_json(checksums_file, out.checksums)
+    write_json(sources_file, [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns} for f in files])
     snap = catalog.commit_job(
         dataset,
         job_id,
@@ -170,8 +175,11 @@ def run_ingest(
             "sources_hash": manifest_hash,
             "sources": len(files),
             "input_bytes": str(input_bytes),
+            "checksums_file": checksums_file,
+            "sources_file": sources_file,
             **(lineage or {}),
         },
+        stats=out.stats,
     )
     return IngestResult(dataset, job_id, snap.snapshot_id, False, out.samples, out.tokens, out.quarantined,
                         dict(out.reasons), skipped, time.perf_counter() - started, input_bytes)

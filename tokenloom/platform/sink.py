@@ -20,7 +20,9 @@ from pyarrow import fs as pafs
 from ray.data import Datasink
 from ray.data.datasource.datasink import WriteResult
 
+from tokenloom.catalog.maintenance import sha256_bytes
 from tokenloom.catalog.schema import QUARANTINE_SCHEMA, SHARD_SCHEMA, validate_shard_rows
+from tokenloom.catalog.stats import empty_stats, merge_stats, shard_stats
 
 
 @dataclass
@@ -31,6 +33,8 @@ class TaskOutput:
     tokens: int = 0
     quarantined: int = 0
     reasons: Counter = field(default_factory=Counter)
+    checksums: dict[str, str] = field(default_factory=dict)  # data file URI -> sha256
+    stats: dict = field(default_factory=empty_stats)
 
 
 def _reason_class(reason: str) -> str:
@@ -68,10 +72,16 @@ class ShardSink(Datasink):
         bad = pa.concat_tables(bad_parts) if bad_parts else QUARANTINE_SCHEMA.empty_table()
         if good.num_rows:
             path = f"{base}/{name}.parquet"
-            pq.write_table(good, path, filesystem=filesystem, compression="zstd")
+            buffer = pa.BufferOutputStream()
+            pq.write_table(good, buffer, compression="zstd")
+            data = buffer.getvalue()
+            with filesystem.open_output_stream(path) as f:
+                f.write(data)
             out.data_files.append(self._uri(path))
+            out.checksums[self._uri(path)] = sha256_bytes(data)
             out.samples = good.num_rows
             out.tokens = int(pc.sum(good.column("num_tokens")).as_py())
+            out.stats = shard_stats(good)
         if bad.num_rows:
             path = f"{base}/quarantine/{name}.parquet"
             filesystem.create_dir(f"{base}/quarantine", recursive=True)
@@ -127,6 +137,8 @@ class ShardSink(Datasink):
             total.tokens += part.tokens
             total.quarantined += part.quarantined
             total.reasons.update(part.reasons)
+            total.checksums.update(part.checksums)
+            total.stats = merge_stats(total.stats, part.stats)
         total.data_files.sort()
         total.quarantine_files.sort()
         self.result = total
