@@ -32,7 +32,7 @@ def _rows(n: int, start: int, job: str) -> pa.Table:
         out.append({"sample_id": f"s{i}", "source": f"src{i % 50}.txt", "tokens": toks,
                     "segments": [{"modality": "text", "start": 0, "length": len(toks), "grid": [],
                                   "attention": "causal"}],
-                    "num_tokens": len(toks), "vocab_id": "vocab-b", "bundle_ids": ["text-b"], "job_id": job})
+                    "num_tokens": len(toks), "modalities": "text", "vocab_id": "vocab-b", "bundle_ids": ["text-b"], "job_id": job})
     return pa.Table.from_pylist(out, schema=SHARD_SCHEMA)
 
 

@@ -1,5 +1,3 @@
-import uuid
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -14,7 +12,7 @@ def _rows(n: int, job: str, start: int = 0) -> pa.Table:
         toks = [1] + [16 + (i * 7 + j) % 50 for j in range(i % 5 + 1)] + [2]
         rows.append({"sample_id": f"s{i}", "source": "mem", "tokens": toks,
                      "segments": [{"modality": "text", "start": 0, "length": len(toks), "grid": [], "attention": "causal"}],
-                     "num_tokens": len(toks), "vocab_id": "vocab-test", "bundle_ids": ["text-test"], "job_id": job})
+                     "num_tokens": len(toks), "modalities": "text", "vocab_id": "vocab-test", "bundle_ids": ["text-test"], "job_id": job})
     return pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)
 
 
@@ -46,11 +44,12 @@ def test_validation_rules():
 def test_commit_then_read_back_equals_written(tmp_path):
     catalog = TokenCatalog(CatalogConfig(), tmp_path)
     table = _rows(20, "job-a")
-    snap = catalog.commit_job("ds", "job-a", _write(catalog, "ds", "job-a", table), {"samples": 20, "tokens": 99})
+    snap = catalog.commit_job("ds", "job-a", _write(catalog, "ds", "job-a", table), {}, stats=shard_stats(table))
     back = catalog.scan("ds").sort_by("sample_id")
     assert back.cast(SHARD_SCHEMA).to_pylist() == table.sort_by("sample_id").to_pylist()
     assert catalog.summary("ds")["snapshot_id"] == snap.snapshot_id
     assert catalog.summary("ds")["samples"] == 20
+    assert catalog.summary("ds")["tokens"] == sum(table["num_tokens"].to_pylist())
     assert [f.record_count for f in catalog.data_files("ds")] == [20]
 
 
@@ -68,6 +67,14 @@ def test_jobs_are_committed_once_and_versions_are_readable(tmp_path):
     assert catalog.summary("ds", at=s1.snapshot_id)["tokens"] == sum(a["num_tokens"].to_pylist())
 
 
+def test_a_dataset_without_snapshots_reports_zeros(tmp_path):
+    catalog = TokenCatalog(CatalogConfig(), tmp_path)
+    catalog.ensure_dataset("empty")
+    s = catalog.summary("empty")
+    assert (s["snapshot_id"], s["samples"], s["stats"]["tokens"], s["total_quarantined"]) == (None, 0, 0, 0)
+    assert catalog.scan("empty").num_rows == 0 and catalog.data_files("empty") == []
+
+
 def test_unknown_names_and_bad_names(tmp_path):
     catalog = TokenCatalog(CatalogConfig(), tmp_path)
     with pytest.raises(DatasetNotFound, match="no dataset named 'nope'"):
@@ -75,27 +82,3 @@ def test_unknown_names_and_bad_names(tmp_path):
     for bad in ["../escape", "a/b", "x\n", "", ".hidden"]:
         with pytest.raises(ValueError, match="invalid dataset name"):
             catalog.ensure_dataset(bad)
-
-
-def _postgres_uri() -> str | None:
-    try:
-        import psycopg2
-
-        psycopg2.connect(host="127.0.0.1", port=5432, dbname="test", user="postgres", connect_timeout=3).close()
-        return "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
-    except Exception:
-        return None
-
-
-def test_postgresql_catalog_many_writers(tmp_path):
-    uri = _postgres_uri()
-    if uri is None:
-        pytest.skip("PostgreSQL is not reachable at 127.0.0.1:5432 (database 'test')")
-    namespace = f"t{uuid.uuid4().hex[:10]}"
-    cfg = CatalogConfig(uri=uri, warehouse=str(tmp_path / "wh"), namespace=namespace)
-    writer_a, writer_b = TokenCatalog(cfg, tmp_path), TokenCatalog(cfg, tmp_path)
-    writer_a.commit_job("ds", "job-a", _write(writer_a, "ds", "job-a", _rows(4, "job-a")), {"tokens": 8})
-    writer_b.commit_job("ds", "job-b", _write(writer_b, "ds", "job-b", _rows(3, "job-b", 4)), {"tokens": 6})
-    reader = TokenCatalog(cfg, tmp_path)
-    assert reader.list_datasets() == ["ds"]
-    assert reader.scan("ds").num_rows == 7 and len(reader.history("ds")) == 2

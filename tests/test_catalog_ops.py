@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from pyarrow import fs
@@ -18,6 +19,7 @@ from pyarrow import fs
 from tokenloom.catalog import SHARD_SCHEMA, CatalogConfig, DatasetNotFound, TokenCatalog
 from tokenloom.catalog.maintenance import gc, sha256_bytes, verify, write_json
 from tokenloom.catalog.query import query
+from tokenloom.catalog.schema import modality_mix
 from tokenloom.catalog.stats import merge_stats, shard_stats
 
 
@@ -32,19 +34,18 @@ def rows(n: int, job: str, start: int = 0) -> pa.Table:
                          "attention": "bidirectional"})
             toks += [60, 61, 62, 63]
         out.append({"sample_id": f"{job}-{i}", "source": f"src{i % 4}.txt", "tokens": toks, "segments": segs,
-                    "num_tokens": len(toks), "vocab_id": "vocab-t", "bundle_ids": ["text-t"], "job_id": job})
+                    "num_tokens": len(toks), "modalities": modality_mix(segs), "vocab_id": "vocab-t", "bundle_ids": ["text-t"], "job_id": job})
     return pa.Table.from_pylist(out, schema=SHARD_SCHEMA)
 
 
-def commit(catalog: TokenCatalog, name: str, job: str, table: pa.Table, parts: int = 2):
+def commit(catalog: TokenCatalog, name: str, job: str, table: pa.Table):
     """What the ingestion sink and driver do: write files with checksums, then commit once."""
     loc = catalog.data_location(name, job)
     filesystem, base = fs.FileSystem.from_uri(loc)
     filesystem.create_dir(base, recursive=True)
     files, sums = [], {}
-    step = -(-table.num_rows // parts)
-    for p in range(parts):
-        piece = table.slice(p * step, step)
+    pieces = [table.filter(pc.equal(table["modalities"], mix)) for mix in sorted(set(table["modalities"].to_pylist()))]
+    for p, piece in enumerate(pieces):  # one file per modality mix, as the sink writes them
         buf = pa.BufferOutputStream()
         pq.write_table(piece, buf)
         data = buf.getvalue()
@@ -79,6 +80,8 @@ def test_tags_and_time_travel(catalog):
         catalog.tag("ds", "v1")
     with pytest.raises(ValueError, match="invalid tag name"):
         catalog.tag("ds", "../v2")
+    with pytest.raises(ValueError, match="read as a snapshot id"):
+        catalog.tag("ds", "2024")
 
 
 def test_lineage_recorded(catalog):
@@ -215,3 +218,22 @@ def test_scan_pushes_filters_and_projections(catalog):
     assert got.column_names == ["sample_id", "num_tokens"]
     want = [r["sample_id"] for r in table.to_pylist() if r["num_tokens"] > 8 and r["source"] == "src1.txt"]
     assert sorted(got.column("sample_id").to_pylist()) == sorted(want) and want
+
+
+def test_table_is_partitioned_by_modality_mix_and_planning_prunes(catalog):
+    commit(catalog, "ds", "job-1", rows(12, "job-1"))
+    spec = catalog.table("ds").spec()
+    assert [f.name for f in spec.fields] == ["modalities"]
+    files = catalog.table("ds").scan(row_filter="modalities = 'text'").plan_files()
+    assert len(files) == 1 and files[0].file.record_count == 8  # the image+text file is pruned
+    assert catalog.scan("ds", where="modalities = 'image+text'").num_rows == 4
+
+
+def test_validation_rejects_a_wrong_modality_mix():
+    from tokenloom.catalog import validate_shard_rows
+
+    table = rows(3, "j").to_pylist()
+    table[1]["modalities"] = "text"  # row 1 has no image; row 0 has one
+    table[0]["modalities"] = "text"
+    reasons = validate_shard_rows(pa.Table.from_pylist(table, schema=SHARD_SCHEMA), 100)
+    assert "does not match the segments" in reasons[0] and reasons[1] is None

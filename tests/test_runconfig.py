@@ -21,6 +21,8 @@ def test_toml_then_overrides(tmp_path):
         (["train=3"], "is a section"),
         (["steps"], "is not key=value"),
         (["train.bf16_autocast=maybe"], "takes true/false"),
+        (["ingest.pools.text=3"], "is a section per modality"),
+        (["train.betas=0.9"], "takes 2 comma-separated values"),
     ],
 )
 def test_bad_overrides_say_what_is_wrong(overrides, message):

@@ -30,6 +30,11 @@ def test_sample_ids_are_stable_and_distinct(tmp_path):
     first = [r.sample_id for r in sources.parse_file(str(path), "text", path.read_bytes())]
     second = [r.sample_id for r in sources.parse_file(str(path), "text", path.read_bytes())]
     assert first == second and len(set(first)) == 2
+    moved = tmp_path / "b.jsonl"
+    moved.write_bytes(path.read_bytes())
+    elsewhere = [r.sample_id for r in sources.parse_file(str(moved), "text", moved.read_bytes())]
+    assert not set(elsewhere) & set(first)  # ids name (source, record), not content
+    assert first[0] == sources.sample_id(str(path), "line 1")
 
 
 def test_discover_routes_by_suffix_and_rejects_missing_paths(tmp_path):

@@ -1,7 +1,7 @@
 """The `tokenloom` command: a thin shell over `tokenloom.api`.
 
-Every reporting command takes `--json` (one JSON document on stdout, nothing else) and
-`--home`. Mistakes a user can fix (unknown dataset, missing path, bad config) print one
+Every reporting command takes `--json` (one JSON document on stdout, nothing else; `catalog
+query` says `--format json`) and `--home`. Mistakes a user can fix (unknown dataset, missing path, bad config) print one
 line on stderr and exit with status 2; anything else is a bug and keeps its traceback.
 """
 
@@ -139,12 +139,13 @@ def demo(home: HomeOpt = None, json_out: JsonOpt = False, tiny: Annotated[bool, 
 @_user_errors
 def tokenizer_train_text(
     corpus: Annotated[list[Path], typer.Option("--corpus", help="Files or folders (.txt, .jsonl).")],
-    vocab_size: Annotated[int, typer.Option("--vocab-size")] = 4096,
+    vocab_size: Annotated[int | None, typer.Option("--vocab-size", help="Default: text_tokenizer.vocab_size.")] = None,
     home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
 ):
     """Train a byte-level BPE (HF tokenizers) and publish it as a versioned bundle."""
     api, home_, cfg = _setup(home, config, overrides)
-    cfg.text_tokenizer.vocab_size = vocab_size
+    if vocab_size is not None:
+        cfg.text_tokenizer.vocab_size = vocab_size
     info = api.train_text(home_, corpus, cfg)
     doc = {"bundle_id": info.id, "path": str(info.path), "vocab_size": info.config["vocab_size"]}
     if json_out:
@@ -188,10 +189,10 @@ def catalog_ls(home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOp
     rows = api.catalog_ls(home_, cfg)
     if json_out:
         return _emit_json(rows)
-    t = Table("dataset", "snapshot", "samples", "tokens", "quarantined", "snapshots")
+    t = Table("dataset", "snapshot", "samples", "tokens", "quarantined (all jobs)", "snapshots")
     for r in rows:
         t.add_row(r["dataset"], str(r["snapshot_id"]), f"{r['samples']:,}", f"{r['tokens']:,}",
-                  str(r["quarantined"]), str(r["snapshots"]))
+                  str(r["total_quarantined"]), str(r["snapshots"]))
     console.print(t)
 
 
@@ -206,7 +207,8 @@ def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help=
     if json_out:
         return _emit_json(s)
     t = Table(title=f"dataset {name}", show_header=False)
-    for key in ("snapshot_id", "job_id", "samples", "tokens", "quarantined", "quarantine_reasons", "data_files",
+    for key in ("snapshot_id", "tags", "samples", "tokens", "total_quarantined", "job_id", "job_samples", "job_tokens",
+                "quarantined", "quarantine_reasons", "data_files",
                 "vocab_id", "bundle_ids", "sources_hash", "code_version"):
         t.add_row(key, str(s.get(key)))
     if s.get("timestamp_ms"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,9 +50,9 @@ def _coerce(value, hint, key: str):
     if origin is tuple:
         items = value if isinstance(value, list | tuple) else str(value).split(",")
         args = typing.get_args(hint)
+        if len(items) != len(args):
+            raise ValueError(f"config key {key} takes {len(args)} comma-separated values, got {value!r}")
         return tuple(_coerce(v, a, key) for v, a in zip(items, args, strict=True))
-    if origin in (types.UnionType, typing.Union):
-        return value
     return value
 
 
@@ -70,6 +69,8 @@ def _apply(obj, data: dict, prefix: str) -> None:
                 raise ValueError(f"config key {full!r} is a section; set its fields, e.g. {full}.<field>=...")
             _apply(current, value, full + ".")
         elif isinstance(current, dict) and key == "pools":
+            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+                raise ValueError(f"config key {full!r} is a section per modality; set e.g. {full}.text.max_actors=4")
             for modality, pool_data in value.items():
                 pool = current.setdefault(modality, PoolConfig())
                 _apply(pool, pool_data, f"{full}.{modality}.")
@@ -116,6 +117,3 @@ def load_run_config(path: Path | None = None, overrides: list[str] | None = None
         _apply(cfg, _nest(parse_overrides(overrides)), "")
     return cfg
 
-
-def to_dict(cfg: RunConfig) -> dict:
-    return dataclasses.asdict(cfg)

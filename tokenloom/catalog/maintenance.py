@@ -19,14 +19,12 @@ import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 
 from tokenloom.catalog.store import TokenCatalog
+from tokenloom.catalog.uris import filesystem_and_path as _fs
+from tokenloom.catalog.uris import to_uri
 
 
 def sha256_bytes(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _fs(uri: str) -> tuple[pafs.FileSystem, str]:
-    return pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
 
 
 def write_json(uri: str, doc: object) -> None:
@@ -111,12 +109,11 @@ def gc(catalog: TokenCatalog, name: str, older_than_s: float = 3600.0, dry_run: 
     info = filesystem.get_file_info(root)
     if info.type == pafs.FileType.NotFound:
         return report
-    scheme = data_root.split("://", 1)[0] + "://" if "://" in data_root else ""
     now = time.time()
     for entry in filesystem.get_file_info(pafs.FileSelector(root, recursive=True)):
         if entry.type != pafs.FileType.File:
             continue
-        uri = scheme + entry.path if scheme and not entry.path.startswith(scheme) else entry.path
+        uri = to_uri(data_root, entry.path)
         if uri in keep:
             continue
         age = now - (entry.mtime.timestamp() if entry.mtime else now)

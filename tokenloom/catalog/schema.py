@@ -33,6 +33,7 @@ SHARD_SCHEMA = pa.schema(
         pa.field("tokens", pa.list_(pa.int32())),
         pa.field("segments", pa.list_(SEGMENT_TYPE)),
         pa.field("num_tokens", pa.int32()),
+        pa.field("modalities", pa.string()),  # the modality mix, e.g. "text" or "image+text": the partition key
         pa.field("vocab_id", pa.string()),
         pa.field("bundle_ids", pa.list_(pa.string())),
         pa.field("job_id", pa.string()),
@@ -53,7 +54,8 @@ def validate_shard_rows(table: pa.Table, vocab_size: int) -> list[str | None]:
     """Check each row of a shard table; return None for a good row, else the reason.
 
     Rules: ids inside [0, vocab_size); `num_tokens == len(tokens)`; segments sorted, starting
-    at 0, contiguous and covering every token; known modality and attention kinds.
+    at 0, contiguous and covering every token; known modality and attention kinds; the
+    `modalities` column equal to the segments' modality mix.
     """
     missing = [f.name for f in SHARD_SCHEMA if f.name not in table.column_names]
     if missing:
@@ -74,10 +76,18 @@ def validate_shard_rows(table: pa.Table, vocab_size: int) -> list[str | None]:
             reasons[row] = f"token id {int(worst)} outside the vocabulary [0, {vocab_size})"
     for row in np.flatnonzero(lengths != num_tokens):
         reasons[row] = reasons[row] or f"num_tokens {num_tokens[row]} != len(tokens) {lengths[row]}"
+    mixes = table.column("modalities").to_pylist()
     for row, segments in enumerate(table.column("segments").to_pylist()):
         if reasons[row] is None:
             reasons[row] = _segment_problem(segments or [], int(lengths[row]))
+        if reasons[row] is None and mixes[row] != modality_mix(segments):
+            reasons[row] = f"modalities {mixes[row]!r} does not match the segments ({modality_mix(segments)!r})"
     return reasons
+
+
+def modality_mix(segments: Sequence[dict] | None) -> str:
+    """The partition value of a sample: its distinct modalities, sorted, joined by '+'."""
+    return "+".join(sorted({seg["modality"] for seg in segments or []}))
 
 
 def _segment_problem(segments: Sequence[dict], length: int) -> str | None:
@@ -96,6 +106,3 @@ def _segment_problem(segments: Sequence[dict], length: int) -> str | None:
         return f"segments cover {cursor} tokens but the sequence has {length}"
     return None
 
-
-def empty_quarantine() -> pa.Table:
-    return QUARANTINE_SCHEMA.empty_table()

@@ -2,8 +2,9 @@
 
 Each write task summarizes its rows (per-modality token and sample counts, a histogram of
 sequence lengths in power-of-two bins); the driver merges the task summaries into the job's,
-and the commit adds the job's to the previous snapshot's totals. Tables are append-only, so
-the totals at a snapshot are exact without reading a data file.
+which the commit stores in its snapshot. Tables are append-only, so a snapshot's totals are
+the merge of the job statistics along its ancestry: exact without reading a data file, and
+independent of the order in which concurrent writers landed.
 """
 
 from __future__ import annotations

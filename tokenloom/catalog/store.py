@@ -4,7 +4,8 @@ pyiceberg's SQL catalog keeps table pointers in SQLite (embedded) or PostgreSQL 
 writers); table metadata and Parquet data files live in the warehouse (a local folder or
 any pyarrow filesystem URI). Ingestion writes Parquet files itself (in Ray tasks) and the
 driver commits them with `add_files`, so a job is one atomic snapshot and a job that dies
-before its commit leaves nothing visible. The snapshot summary carries the job's lineage
+before its commit adds no snapshot: readers see the table as it was, and `catalog gc` removes
+the files it left. The snapshot summary carries the job's lineage
 and counts, so listing and showing datasets never scans data.
 """
 
@@ -110,9 +111,16 @@ class TokenCatalog:
 
     def ensure_dataset(self, name: str):
         try:
-            return self._catalog.create_table(self._ident(name), schema=SHARD_SCHEMA, properties=TABLE_PROPERTIES)
+            table = self._catalog.create_table(self._ident(name), schema=SHARD_SCHEMA, properties=TABLE_PROPERTIES)
         except TableAlreadyExistsError:
             return self._catalog.load_table(self._ident(name))
+        # partitioned by modality mix: text-only training skips image and audio files at planning
+        try:
+            with table.update_spec() as spec:
+                spec.add_identity("modalities")
+        except CommitFailedException:  # another writer created and partitioned it at the same time
+            pass
+        return self._catalog.load_table(self._ident(name))
 
     def data_location(self, name: str, job_id: str) -> str:
         """Where a job writes its Parquet files before they are committed."""
@@ -167,6 +175,8 @@ class TokenCatalog:
     def tag(self, name: str, tag: str, at: str | int | None = None) -> int:
         """Point tag `tag` at snapshot `at` (default: current); returns the snapshot id."""
         check_name(tag, "tag")
+        if tag.isdigit():
+            raise ValueError(f"invalid tag name {tag!r}: a tag of digits only would read as a snapshot id")
         snap = self.snapshot(name, at)
         if snap is None:
             raise ValueError(f"dataset {name!r} has no snapshot to tag")
@@ -252,7 +262,9 @@ class TokenCatalog:
         snap = self.snapshot(name, at)
         out: dict = {"dataset": name, "snapshots": len(self.history(name))}
         if snap is None:
-            return out | {"snapshot_id": None, "samples": 0, "tokens": 0, "quarantined": 0}
+            return out | {"snapshot_id": None, "samples": 0, "tokens": 0, "quarantined": 0, "total_quarantined": 0,
+                          "stats": empty_stats(), "job_stats": empty_stats(), "tags": [], "quarantine_reasons": {},
+                          "job_id": None, "job_samples": 0, "job_tokens": 0}
         tl = snap.tokenloom
         chain = self.ancestry(name, snap)
         totals = merge_stats(*(json.loads(s.tokenloom.get("stats", "null")) or empty_stats() for s in chain))

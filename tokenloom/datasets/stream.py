@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow.parquet as pq
-from pyarrow import fs as pafs
+
+from tokenloom.catalog.uris import filesystem_and_path
 
 IGNORE_INDEX = -100
 
@@ -56,7 +57,7 @@ class StreamState:
 
 
 def _read_tokens(path: str) -> list[np.ndarray]:
-    filesystem, inner = pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), path)
+    filesystem, inner = filesystem_and_path(path)
     try:
         table = pq.read_table(inner, columns=["tokens"], filesystem=filesystem)
     except (OSError, ValueError) as exc:

@@ -4,7 +4,7 @@ One Ray Data pipeline per run. Files are routed by modality on the driver (cheap
 look-up), so each modality reads only its own files, runs on its own actor pool with its
 own resources, and the branches meet at a single shard sink. The job id is a hash of the
 inputs, bundles, vocabulary and dataset, so re-running the same job finds its snapshot and
-does nothing; a job that dies before the commit leaves no visible trace.
+does nothing; a job that dies before the commit adds no snapshot (its files are gc food).
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ def ensure_ray(config: IngestConfig) -> None:
     ctx.print_on_execution_start = config.ray.progress_bars
     if config.ray.address:
         ray.init(address=config.ray.address, log_to_driver=False)
+        have = ray.cluster_resources()
+        for modality, pool in config.pools.items():
+            if pool.resource_label and pool.resource_label not in have:
+                raise ValueError(
+                    f"the Ray cluster at {config.ray.address} has no resource {pool.resource_label!r} for the "
+                    f"{modality} pool: start its nodes with --resources='{{\"{pool.resource_label}\": N}}' "
+                    f"or set ingest.pools.{modality}.resource_label=''"
+                )
         return
     labels: dict[str, float] = {}
     for pool in config.pools.values():
@@ -147,16 +155,16 @@ def run_ingest(
             )
         )
     ds = branches[0].union(*branches[1:]) if len(branches) > 1 else branches[0]
-    sink = ShardSink(catalog.data_location(dataset, job_id), job_id, vocab.id, vocab.size, sorted(bundles.values()))
+    location = catalog.data_location(dataset, job_id)
+    sink = ShardSink(location, job_id, vocab.id, vocab.size, sorted(bundles.values()))
     ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.5})
     out = sink.result
     if out is None or (out.samples + out.quarantined) == 0:
-        raise RuntimeError(f"ingestion job {job_id} produced no rows; nothing committed")
+        raise ValueError("the inputs hold no records (empty files or blank lines only); nothing committed")
     if not out.data_files:
         raise ValueError(
             f"every input record was quarantined ({out.quarantined}: {dict(out.reasons)}); nothing to commit"
         )
-    location = catalog.data_location(dataset, job_id)
     checksums_file, sources_file = f"{location}/_checksums.json", f"{location}/_sources.json"
     write_json(checksums_file, out.checksums)
     write_json(sources_file, [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns} for f in files])

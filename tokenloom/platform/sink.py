@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pyarrow import fs as pafs
 from ray.data import Datasink
 from ray.data.datasource.datasink import WriteResult
 
 from tokenloom.catalog.maintenance import sha256_bytes
-from tokenloom.catalog.schema import QUARANTINE_SCHEMA, SHARD_SCHEMA, validate_shard_rows
+from tokenloom.catalog.schema import QUARANTINE_SCHEMA, SHARD_SCHEMA, modality_mix, validate_shard_rows
 from tokenloom.catalog.stats import empty_stats, merge_stats, shard_stats
+from tokenloom.catalog.uris import filesystem_and_path, to_uri
 
 
 @dataclass
@@ -52,7 +52,7 @@ class ShardSink(Datasink):
         self.result: TaskOutput | None = None
 
     def on_write_start(self, schema=None) -> None:
-        filesystem, path = pafs.FileSystem.from_uri(self.location)
+        filesystem, path = filesystem_and_path(self.location)
         filesystem.create_dir(path, recursive=True)
 
     def write(self, blocks: Iterable[pa.Table], ctx) -> TaskOutput:
@@ -66,19 +66,22 @@ class ShardSink(Datasink):
             good, bad = self._split(block)
             good_parts.append(good)
             bad_parts.append(bad)
-        filesystem, base = pafs.FileSystem.from_uri(self.location)
+        filesystem, base = filesystem_and_path(self.location)
         name = f"task{ctx.task_idx:05d}-{uuid.uuid4().hex[:12]}"
         good = pa.concat_tables(good_parts) if good_parts else SHARD_SCHEMA.empty_table()
         bad = pa.concat_tables(bad_parts) if bad_parts else QUARANTINE_SCHEMA.empty_table()
-        if good.num_rows:
-            path = f"{base}/{name}.parquet"
+        # one file per modality mix: the table is partitioned by it
+        for mix in sorted(set(good.column("modalities").to_pylist())):
+            part = good.filter(pc.equal(good.column("modalities"), mix))
+            path = f"{base}/{name}-{mix.replace('+', '_')}.parquet"
             buffer = pa.BufferOutputStream()
-            pq.write_table(good, buffer, compression="zstd")
+            pq.write_table(part, buffer, compression="zstd")
             data = buffer.getvalue()
             with filesystem.open_output_stream(path) as f:
                 f.write(data)
-            out.data_files.append(self._uri(path))
-            out.checksums[self._uri(path)] = sha256_bytes(data)
+            out.data_files.append(to_uri(self.location, path))
+            out.checksums[to_uri(self.location, path)] = sha256_bytes(data)
+        if good.num_rows:
             out.samples = good.num_rows
             out.tokens = int(pc.sum(good.column("num_tokens")).as_py())
             out.stats = shard_stats(good)
@@ -86,14 +89,10 @@ class ShardSink(Datasink):
             path = f"{base}/quarantine/{name}.parquet"
             filesystem.create_dir(f"{base}/quarantine", recursive=True)
             pq.write_table(bad, path, filesystem=filesystem)
-            out.quarantine_files.append(self._uri(path))
+            out.quarantine_files.append(to_uri(self.location, path))
             out.quarantined = bad.num_rows
             out.reasons.update(_reason_class(r) for r in bad.column("reason").to_pylist())
         return out
-
-    def _uri(self, path: str) -> str:
-        scheme = self.location.split("://", 1)[0] if "://" in self.location else "file"
-        return f"{scheme}://{path}" if not path.startswith(f"{scheme}://") else path
 
     def _split(self, block: pa.Table) -> tuple[pa.Table, pa.Table]:
         errors = block.column("error")
@@ -107,6 +106,7 @@ class ShardSink(Datasink):
                 candidates.column("tokens"),
                 candidates.column("segments"),
                 pc.list_value_length(candidates.column("tokens")).cast(pa.int32()),
+                pa.array([modality_mix(segs) for segs in candidates.column("segments").to_pylist()], pa.string()),
                 pa.array([self.vocab_id] * n, pa.string()),
                 pa.array([self.bundle_ids] * n, pa.list_(pa.string())),
                 pa.array([self.job_id] * n, pa.string()),

@@ -24,7 +24,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     save_checkpoint: bool = True
-    stop_after: int = 0  # end this invocation after this many steps (0: run to `steps`); resume later
+    stop_after: int = 0  # stop this invocation at this global step (0: run to `steps`); resume later
 
     def validate(self) -> None:
         if self.steps < 1 or self.micro_batch_size < 1 or self.grad_accum < 1:

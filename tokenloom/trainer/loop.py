@@ -68,6 +68,10 @@ def train(
     rank, world = init_distributed()
     torch.manual_seed(train_cfg.seed)
     run_dir = Path(run_dir)
+    if world > 1:  # every rank writes its ZeRO shard into rank 0's run folder
+        holder = [str(run_dir)]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        run_dir = Path(holder[0])
     model = Transformer(model_cfg)
     optimizer = torch.optim.AdamW(_param_groups(model, train_cfg.weight_decay), lr=train_cfg.lr,
                                   betas=train_cfg.betas)
@@ -79,8 +83,7 @@ def train(
         _, client = engine.load_checkpoint(str(resume_from))
         if client is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {resume_from}")
-        if str(rank) not in client["data"]:
-            raise ValueError(f"checkpoint {resume_from} has no data state for rank {rank}; resume with the same world size")
+        _check_resumable(client, resume_from, world, stream_cfg, files)
         stream.load_state_dict(client["data"][str(rank)])
         start_step = int(client["step"])
 
@@ -122,8 +125,9 @@ def train(
     checkpoint = None
     if train_cfg.save_checkpoint:
         checkpoint = str(run_dir / "checkpoint")
-        engine.save_checkpoint(checkpoint, client_state={"data": _gather_states(stream, world),
-                                                         "step": end_step})
+        engine.save_checkpoint(checkpoint, client_state={
+            "data": _gather_states(stream, world), "step": end_step, "world_size": world,
+            "stream": asdict(stream_cfg), "files": [f.path for f in files]})
     plot = None
     if metrics is not None:
         metrics.close()
@@ -141,6 +145,22 @@ def train(
         world_size=world,
         losses=losses,
     )
+
+
+def _check_resumable(client: dict, path: Path, world: int, stream_cfg: StreamConfig, files: list[ShardFile]) -> None:
+    """A stream position means something only for the same data, stream settings and ranks."""
+    missing = [key for key in ("data", "step", "world_size", "stream", "files") if key not in client]
+    if missing:
+        raise ValueError(f"checkpoint {path} was not written by `tokenloom train` (it lacks {missing})")
+    if client["world_size"] != world:
+        raise ValueError(f"checkpoint {path} was written by {client['world_size']} ranks; resume it with the same "
+                         f"number (this run has {world})")
+    if client["stream"] != asdict(stream_cfg):
+        raise ValueError(f"checkpoint {path} streamed with {client['stream']}, this run with {asdict(stream_cfg)}; "
+                         "resume with the same stream.* settings")
+    if client["files"] != [f.path for f in files]:
+        raise ValueError(f"checkpoint {path} trained on another snapshot's files; pass --at with the snapshot it used "
+                         "(see source.json in its run folder)")
 
 
 def _gather_states(stream: TokenStream, world: int) -> dict:
