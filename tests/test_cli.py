@@ -37,3 +37,36 @@ def test_malformed_config(tmp_path):
 def test_catalog_ls_json_on_empty_home(tmp_path):
     r = _run("catalog", "ls", "--json", home=tmp_path)
     assert r.returncode == 0 and json.loads(r.stdout) == []
+
+
+TINY_VISUAL = ["channels=8", "latent_channels=16", "vit_dim=16", "vit_depth=1", "vit_heads=2", "fusion_heads=2",
+               "image_size=32", "batch_size=2", "max_pixels=4096", "eval_crops=1", "steps=3", "warmup_steps=1"]
+
+
+def test_visual_tokenizer_train_then_eval_on_files(tmp_path):
+    from tokenloom.datasets.samples import write_sample_images
+
+    images = write_sample_images(tmp_path / "images", with_bad_inputs=True, variants=0)
+    r = _run("tokenizer", "train", "visual", "--images", str(images), "--run", "t", "--json", *TINY_VISUAL,
+             home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["bundle_id"].startswith("visual-") and doc["steps"] == 3 and doc["num_codes"] == 1024
+    assert 0 < doc["heldout"]["usage"] <= 1 and doc["heldout"]["psnr"] > 0
+    assert {x["path"].rsplit("/", 1)[-1] for x in doc["rejected"]} == {
+        "truncated.png", "corrupt.jpg", "text-not-image.png", "one-pixel.png", "decompression-bomb.png", "empty.png"}
+    r = _run("tokenizer", "eval", "visual", "--bundle", doc["bundle_id"], "--images", str(images / "odd"),
+             "--out", str(tmp_path / "eval"), "--json", home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr[-2000:]
+    ev = json.loads(r.stdout)
+    assert ev["images"] == 7 and len(ev["per_image"]) == 7 and ev["codes"] > 0
+    assert (tmp_path / "eval" / "grid.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["psnr"] == ev["psnr"]
+    # mistakes: an unknown bundle, a folder without images, a bad key
+    r = _run("tokenizer", "eval", "visual", "--bundle", "visual-nope", "--images", str(images), home=tmp_path / "home")
+    assert r.returncode == 2 and "no tokenizer bundle 'visual-nope'" in r.stderr and "Traceback" not in r.stderr
+    r = _run("tokenizer", "eval", "visual", "--bundle", doc["bundle_id"], "--images", str(images / "bad"),
+             home=tmp_path / "home")
+    assert r.returncode == 2 and "no usable images" in r.stderr
+    r = _run("tokenizer", "train", "visual", "--images", str(images), "factor=4", home=tmp_path / "home")
+    assert r.returncode == 2 and "visual_tokenizer.factor must be 8 or 16" in r.stderr

@@ -29,9 +29,14 @@ def demo_home(tmp_path_factory):
 def test_demo_runs_end_to_end(demo_home):
     home, s = demo_home
     assert s["samples"] > 500 and s["tokens"] > 50_000
-    # the demo corpus carries deliberately bad inputs (write_bad_inputs): 8 records
-    assert s["quarantined"] == 8
+    # the demo corpus carries deliberately bad inputs: 8 text records (write_bad_inputs) and
+    # 6 image files (write_bad_images)
+    assert s["quarantined"] == 14
     assert s["quarantine_reasons"]["invalid UTF-8"] == 2
+    assert s["quarantine_reasons"]["decompression bomb"] == 1
+    # images with captions beside text: 18 photos (4 of them through pairs.jsonl), 18 crops, 7 odd files
+    assert s["modalities"]["image"]["samples"] == 43
+    assert s["visual_tokenizer"].startswith("visual-") and s["visual_reused"] is False
     assert s["steps"] == 30 and s["loss_last"] < s["loss_first"] - 0.3
     assert s["train_tokens_per_second"] > 0
     run = Path(s["run_dir"])
@@ -44,7 +49,8 @@ def test_catalog_reports_the_committed_snapshot(demo_home):
     shown = _cli("catalog", "show", "stdlib-docs", "--json", home=home)
     assert (shown["snapshot_id"], shown["samples"], shown["tokens"], shown["quarantined"]) == (
         s["snapshot_id"], s["samples"], s["tokens"], s["quarantined"])
-    assert shown["vocab_id"].startswith("vocab-") and shown["bundle_ids"] == [s["text_tokenizer"]]
+    assert shown["vocab_id"].startswith("vocab-")
+    assert shown["bundle_ids"] == sorted([s["text_tokenizer"], s["visual_tokenizer"]])
     assert sum(f["record_count"] for f in shown["files"]) == s["samples"]
     history = _cli("catalog", "history", "stdlib-docs", "--json", home=home)
     assert [h["snapshot_id"] for h in history] == [s["snapshot_id"]]
@@ -68,8 +74,9 @@ def test_every_good_record_is_committed_exactly_once(demo_home):
 
     home, s = demo_home
     files, _ = sources.discover([home / "corpus"])
-    good_ids = [r.sample_id for f in files for r in sources.parse_file(f.path, "text", Path(f.path).read_bytes())
-                if r.error is None]
+    good_ids = [r.sample_id for f in files if f.modality not in sources.UNPOOLED
+                for r in sources.parse_file(f.path, f.modality, Path(f.path).read_bytes()) if r.error is None]
+    assert any(f.modality == "image" for f in files)
     committed = TokenCatalog(CatalogConfig(), home).scan("stdlib-docs", columns=("sample_id",))
     ids = committed.column("sample_id").to_pylist()
     assert len(ids) == len(set(ids)) and sorted(ids) == sorted(good_ids)

@@ -7,6 +7,7 @@ corpus, tokenizer bundles, vocabulary manifests, the SQLite catalog, the warehou
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import tokenloom
 from tokenloom.catalog import TokenCatalog
 from tokenloom.catalog.stats import hist_edges
 from tokenloom.datasets import shard_files, sources
-from tokenloom.datasets.samples import write_sample_corpus
+from tokenloom.datasets.samples import write_sample_corpus, write_sample_images
 from tokenloom.runconfig import RunConfig
 from tokenloom.tokenizers import bundle as bundles
 from tokenloom.tokenizers.text import train_text_tokenizer
@@ -95,23 +96,162 @@ def latest_bundle(home: Home, kind: str) -> Path:
                    key=lambda p: p.stat().st_mtime)
     if not found:
         raise FileNotFoundError(
-            f"no {kind} tokenizer in {home.bundles}; train one with `tokenloom tokenizer train {kind} --corpus PATH`"
+            f"no {kind} tokenizer in {home.bundles}; train one with `tokenloom tokenizer train {kind} "
+            f"{'--images' if kind == 'visual' else '--corpus'} PATH`"
         )
     return found[-1]
 
 
+def load_image_files(paths: Sequence[str | Path]) -> tuple[list[tuple[str, object]], list[tuple[str, str]]]:
+    """Image files under `paths`, decoded and normalized as ingestion would:
+    ([(path, RGB array)], [(path, reason)] for files that are not usable images)."""
+    from tokenloom.datasets.images import decode_image
+
+    files, skipped = sources.discover(paths)
+    good, bad = [], list(skipped)
+    for src in files:
+        if src.modality not in ("image", sources.REFERENCED) or src.path.lower().endswith(".jsonl"):
+            continue
+        decoded, problem = decode_image(Path(src.path).read_bytes())
+        if problem:
+            bad.append((src.path, problem))
+        else:
+            good.append((src.path, decoded.pixels))
+    return good, bad
+
+
+def _split_heldout(items: list, fraction: float) -> tuple[list, list]:
+    """A stable held-out split by path hash (at least one held out, at least one kept)."""
+    ranked = sorted(items, key=lambda it: hashlib.sha256(it[0].encode()).hexdigest())
+    n = min(len(ranked) - 1, max(1, round(len(ranked) * fraction)))
+    held = set(id(it) for it in ranked[:n])
+    return [it for it in items if id(it) not in held], [it for it in items if id(it) in held]
+
+
+def train_visual(home: Home, images: Sequence[str | Path], cfg: RunConfig, heldout: Sequence[str | Path] = (),
+                 run_name: str | None = None, resume: bool = False, progress: bool = True,
+                 photos: tuple[list, list] | None = None):
+    """Train a visual tokenizer on image files (or on given (train, held-out) arrays)."""
+    from tokenloom.tokenizers.visual import matched_baseline
+    from tokenloom.tokenizers.visual import train_visual as run
+
+    vcfg = cfg.visual_tokenizer
+    vcfg.validate()
+    skipped: list[tuple[str, str]] = []
+    if photos is None:
+        train_items, skipped = load_image_files(images)
+        if heldout:
+            held_items, bad = load_image_files(heldout)
+            skipped += bad
+        elif len(train_items) >= 2:
+            train_items, held_items = _split_heldout(train_items, 0.1)
+        else:
+            held_items = []
+        if not train_items or not held_items:
+            raise ValueError(f"need at least two usable images (one held out) under {', '.join(map(str, images))}; "
+                             f"found {len(train_items) + len(held_items)}"
+                             + (f", rejected {len(skipped)}: {skipped[0][1]}" if skipped else ""))
+        photos = ([p for _, p in train_items], [p for _, p in held_items])
+    extra = matched_baseline(vcfg)[1] if vcfg.arch == "cnn" else 0
+    run_dir = home.runs / (run_name or f"visual-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    result = run(photos[0], photos[1], vcfg, home.bundles, run_dir, extra_cnn_blocks=extra, resume=resume,
+                 progress=progress)
+    return result, skipped
+
+
+def eval_visual(home: Home, bundle_ref: str, images: Sequence[str | Path], out_dir: Path | None = None) -> dict:
+    """PSNR, SSIM, codebook usage and perplexity of a visual bundle on anyone's image files,
+    plus a PNG grid of originals beside reconstructions."""
+    from tokenloom.tokenizers.visual import evaluate, load_visual, prepare
+
+    model = load_visual(bundles.resolve(home.bundles, bundle_ref))
+    good, bad = load_image_files(images)
+    if not good:
+        raise ValueError(f"no usable images under {', '.join(map(str, images))}"
+                         + (f" ({len(bad)} rejected, e.g. {bad[0][0]}: {bad[0][1]})" if bad else ""))
+    out_dir = Path(out_dir or home.root / "evals" / f"{model.bundle_id}-{time.strftime('%Y%m%d-%H%M%S')}")
+    tensors = [prepare(p, model.cfg) for _, p in good]
+    result = evaluate(model, tensors, names=[path for path, _ in good], grid_path=out_dir / "grid.png")
+    doc = {"bundle_id": model.bundle_id, **result.to_dict(), "rejected": [{"path": p, "reason": r} for p, r in bad]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.json").write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def decode_sample(home: Home, cfg: RunConfig, dataset: str, sample: str, out: Path, at: str | None = None) -> dict:
+    """Turn the image segments of a committed sample back into image files (PNG); text
+    segments are decoded to text with the sample's text bundle."""
+    from tokenloom.tokenizers.text import TextTokenizer
+    from tokenloom.tokenizers.visual import load_visual, to_pixels
+
+    catalog = open_catalog(home, cfg)
+    from pyiceberg.expressions import EqualTo
+
+    rows = catalog.scan(dataset, at=at, where=EqualTo("sample_id", sample),
+                        columns=("sample_id", "tokens", "segments", "vocab_id")).to_pylist()
+    if not rows:
+        raise ValueError(f"dataset {dataset!r} has no sample {sample!r}")
+    row = rows[0]
+    vocab_path = home.vocab / f"{row['vocab_id']}.json"
+    if not vocab_path.is_file():
+        raise FileNotFoundError(f"vocabulary manifest {row['vocab_id']} not found in {home.vocab}")
+    vocab = VocabManifest.load(vocab_path)
+    tokens = row["tokens"]
+    written, texts = [], []
+    images = [s for s in row["segments"] if s["modality"] == "image"]
+    if images:
+        visual_id = vocab.bundles.get("visual")
+        if not visual_id:
+            raise ValueError(f"sample {sample} has image segments but its vocabulary names no visual bundle")
+        import torch
+        from PIL import Image
+
+        model = load_visual(bundles.resolve(home.bundles, visual_id))
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for k, seg in enumerate(images):
+            h, w = seg["grid"]
+            ids = torch.tensor(tokens[seg["start"]:seg["start"] + seg["length"]], dtype=torch.long)
+            codes = (ids - vocab.visual.start).reshape(1, h, w)
+            image = to_pixels(model.decode(codes)[0])
+            target = out if len(images) == 1 else out.with_name(f"{out.stem}-{k}{out.suffix or '.png'}")
+            Image.fromarray(image).save(target, format="PNG")
+            written.append(str(target))
+    text_id = vocab.bundles.get("text")
+    if text_id:
+        tok = TextTokenizer.load(bundles.resolve(home.bundles, text_id))
+        for seg in row["segments"]:
+            if seg["modality"] == "text":
+                ids = [t - vocab.text.start for t in tokens[seg["start"]:seg["start"] + seg["length"]]
+                       if t in vocab.text]
+                if ids:
+                    texts.append(tok.decode(ids))
+    if not written and not texts:
+        raise ValueError(f"sample {sample} has no image or text segments to decode")
+    return {"dataset": dataset, "sample_id": sample, "images": written, "text": texts}
+
+
 # -- ingestion ----------------------------------------------------------------------------
 def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg: RunConfig,
-           text_bundle: str | None = None):
+           text_bundle: str | None = None, visual_bundle: str | None = None):
     from tokenloom.platform.ingest import run_ingest  # Ray is imported only by jobs that use it
 
     catalog = open_catalog(home, cfg)
     text_path = bundles.resolve(home.bundles, text_bundle) if text_bundle else latest_bundle(home, "text")
-    info = bundles.load_info(text_path)
-    vocab = VocabManifest.build(info.config["vocab_size"], bundles={"text": info.id})
+    text_info = bundles.load_info(text_path)
+    paths, ids = {"text": str(text_path)}, {"text": text_info.id}
+    visual_size = 0
+    files, _ = sources.discover(inputs)
+    if any(f.modality == "image" for f in files):
+        visual_path = bundles.resolve(home.bundles, visual_bundle) if visual_bundle else latest_bundle(home, "visual")
+        visual_info = bundles.load_info(visual_path)
+        if visual_info.kind != "visual":
+            raise ValueError(f"bundle {visual_info.id} is a {visual_info.kind} tokenizer, not a visual one")
+        paths["visual"], ids["visual"] = str(visual_path), visual_info.id
+        visual_size = int(visual_info.config["num_codes"])
+    vocab = VocabManifest.build(text_info.config["vocab_size"], visual_size=visual_size, bundles=ids)
     vocab.save(home.vocab)
-    return run_ingest(inputs, dataset, catalog, vocab, {"text": str(text_path)}, cfg.ingest,
-                      lineage={"code_version": code_version()})
+    return run_ingest(inputs, dataset, catalog, vocab, paths, cfg.ingest, lineage={"code_version": code_version()})
 
 
 def shutdown_ray() -> None:
@@ -215,12 +355,35 @@ def demo_config(tiny: bool = False) -> RunConfig:
     cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads = 128, 4, 2
     cfg.stream.seq_len = 256
     cfg.train.steps, cfg.train.micro_batch_size, cfg.train.warmup_steps = 300, 8, 30
+    v = cfg.visual_tokenizer  # a brief training: the demo shows the path, bench/ shows the quality
+    v.max_minutes, v.max_pixels, v.eval_crops = 1.5, 128 * 128, 4
     if tiny:  # the integration test's size
         cfg.text_tokenizer.vocab_size = 512
         cfg.model.dim, cfg.model.n_layers = 64, 2
         cfg.stream.seq_len = 128
         cfg.train.steps, cfg.train.warmup_steps, cfg.train.micro_batch_size = 30, 5, 4
+        v.channels, v.latent_channels, v.vit_dim, v.vit_depth = 8, 32, 32, 1
+        v.image_size, v.batch_size, v.max_minutes, v.max_pixels, v.eval_crops = 64, 4, 0.15, 64 * 64, 1
     return cfg
+
+
+def _demo_visual_bundle(home: Home, cfg: RunConfig, progress: bool) -> dict:
+    """The newest visual bundle in home trained with this recipe, or a brief new training."""
+    from dataclasses import asdict as as_dict
+
+    from tokenloom.datasets.samples import sample_photos
+
+    recipe = json.loads(json.dumps(as_dict(cfg.visual_tokenizer)))
+    for path in sorted(home.bundles.glob("visual-*"), key=lambda p: p.stat().st_mtime, reverse=True):
+        info = bundles.load_info(path)
+        if info.config.get("config") == recipe:
+            return {"bundle_id": info.id, "reused": True, "heldout": info.config.get("heldout", {})}
+    photos = (list(sample_photos("train").values()), list(sample_photos("heldout").values()))
+    # one run folder per recipe: an interrupted demo continues its tokenizer training
+    run_name = "demo-visual-" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
+    resume = (home.runs / run_name / "checkpoint.pt").is_file()
+    result, _ = train_visual(home, [], cfg, run_name=run_name, resume=resume, progress=progress, photos=photos)
+    return {"bundle_id": result.bundle.id, "reused": False, "heldout": result.heldout}
 
 
 def demo(home: Home, cfg: RunConfig | None = None, tiny: bool = False, progress: bool = True) -> dict:
@@ -228,8 +391,10 @@ def demo(home: Home, cfg: RunConfig | None = None, tiny: bool = False, progress:
     cfg.ingest.ray.progress_bars = progress
     t0 = time.perf_counter()
     corpus = write_sample_corpus(home.corpus, max_bytes=400_000 if tiny else 2_000_000)
+    write_sample_images(corpus / "images", variants=1 if tiny else 2)
     text_bundle = train_text(home, [corpus], cfg)
-    result = ingest(home, [corpus], "stdlib-docs", cfg, text_bundle=text_bundle.id)
+    visual = _demo_visual_bundle(home, cfg, progress)
+    result = ingest(home, [corpus], "stdlib-docs", cfg, text_bundle=text_bundle.id, visual_bundle=visual["bundle_id"])
     shutdown_ray()
     snapshot_id, trained = train(home, "stdlib-docs", cfg, progress=progress, run_name="demo")
     return {
@@ -242,6 +407,10 @@ def demo(home: Home, cfg: RunConfig | None = None, tiny: bool = False, progress:
         "quarantined": result.quarantined,
         "quarantine_reasons": result.quarantine_reasons,
         "text_tokenizer": text_bundle.id,
+        "visual_tokenizer": visual["bundle_id"],
+        "visual_reused": visual["reused"],
+        "visual_heldout": visual["heldout"],
+        "modalities": catalog_stats(home, cfg, result.dataset)["stats"]["modalities"],
         "steps": trained.steps,
         "loss_first": trained.first_loss,
         "loss_last": trained.last_loss,

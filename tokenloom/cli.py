@@ -24,11 +24,13 @@ from rich.table import Table
 
 app = typer.Typer(help="TokenLoom: multimodal tokenization platform and streaming MoE training.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
-tokenizer_app = typer.Typer(help="Train tokenizers.", no_args_is_help=True)
+tokenizer_app = typer.Typer(help="Train, evaluate and decode with tokenizers.", no_args_is_help=True)
 tokenizer_train_app = typer.Typer(help="Train a tokenizer bundle.", no_args_is_help=True)
+tokenizer_eval_app = typer.Typer(help="Evaluate a tokenizer bundle on your files.", no_args_is_help=True)
 catalog_app = typer.Typer(help="Query the dataset catalog.", no_args_is_help=True)
 app.add_typer(tokenizer_app, name="tokenizer")
 tokenizer_app.add_typer(tokenizer_train_app, name="train")
+tokenizer_app.add_typer(tokenizer_eval_app, name="eval")
 app.add_typer(catalog_app, name="catalog")
 
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -121,6 +123,12 @@ def demo(home: HomeOpt = None, json_out: JsonOpt = False, tiny: Annotated[bool, 
         ("tokens", f"{summary['tokens']:,}"),
         ("quarantined inputs", f"{summary['quarantined']} ({reasons})"),
         ("text tokenizer", summary["text_tokenizer"]),
+        ("visual tokenizer", f"{summary['visual_tokenizer']} ("
+                             f"{'reused' if summary['visual_reused'] else 'trained now'}; held-out PSNR "
+                             f"{summary['visual_heldout'].get('psnr', float('nan')):.1f} dB, codebook usage "
+                             f"{summary['visual_heldout'].get('usage', float('nan')):.0%})"),
+        ("samples by modality", ", ".join(f"{k}: {v['samples']:,} samples / {v['tokens']:,} tokens"
+                                          for k, v in summary["modalities"].items())),
         ("model parameters", f"{summary['parameters']:,}"),
         ("steps", str(summary["steps"])),
         ("loss first -> last", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"),
@@ -153,12 +161,92 @@ def tokenizer_train_text(
     console.print(f"text tokenizer [bold]{info.id}[/] ({doc['vocab_size']} tokens) at {info.path}")
 
 
+@tokenizer_train_app.command("visual")
+@_user_errors
+def tokenizer_train_visual(
+    images: Annotated[list[Path], typer.Option("--images", help="Image files or folders to train on.")],
+    heldout: Annotated[list[Path] | None, typer.Option("--heldout", help="Held-out images for evaluation "
+                                                       "(default: 10% of --images, chosen by path hash).")] = None,
+    max_minutes: Annotated[float | None, typer.Option("--max-minutes", help="Wall-clock budget "
+                                                      "(default: visual_tokenizer.max_minutes).")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="Run folder name under home/runs (checkpoints, metrics, "
+                                            "eval grids); give an existing one with --resume to continue.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's checkpoint.")] = False,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
+):
+    """Train the dual-path visual tokenizer (CNN + ViT, cross-attention fusion, quantizer) into a bundle."""
+    api, home_, cfg = _setup(home, config, [f"visual_tokenizer.{o}" if o.split("=")[0].count(".") == 0 else o
+                                            for o in overrides or []])
+    if max_minutes is not None:
+        cfg.visual_tokenizer.max_minutes = max_minutes
+    if resume and not run:
+        raise ValueError("--resume needs --run NAME (the run folder to continue)")
+    with _quiet_stdout(json_out):
+        r, skipped = api.train_visual(home_, images, cfg, heldout=heldout or (), run_name=run, resume=resume,
+                                      progress=not json_out)
+    doc = {"bundle_id": r.bundle.id, "path": str(r.bundle.path), "num_codes": r.bundle.config["num_codes"],
+           "parameters": r.parameters, "steps": r.steps, "seconds": round(r.seconds, 1),
+           "images_per_second": round(r.images_per_second, 2), "heldout": r.heldout, "run_dir": r.run_dir,
+           "rejected": [{"path": p, "reason": why} for p, why in skipped]}
+    if json_out:
+        return _emit_json(doc)
+    h = r.heldout
+    console.print(f"visual tokenizer [bold]{r.bundle.id}[/] ({doc['num_codes']} codes, {r.parameters:,} parameters) "
+                  f"at {r.bundle.path}")
+    console.print(f"  {r.steps} steps in {r.seconds:.0f} s; held-out PSNR {h['psnr']:.2f} dB, SSIM {h['ssim']:.3f}, "
+                  f"codebook usage {h['usage']:.1%}, perplexity {h['perplexity']:.0f}; run {r.run_dir}")
+    for path, why in skipped:
+        console.print(f"  rejected {path}: {why}")
+
+
+@tokenizer_eval_app.command("visual")
+@_user_errors
+def tokenizer_eval_visual(
+    bundle: Annotated[str, typer.Option("--bundle", help="Visual bundle id or path.")],
+    images: Annotated[list[Path], typer.Option("--images", help="Image files or folders.")],
+    out: Annotated[Path | None, typer.Option("--out", help="Folder for grid.png and metrics.json.")] = None,
+    home: HomeOpt = None, json_out: JsonOpt = False,
+):
+    """PSNR, SSIM, codebook usage and perplexity on your images, and a grid of reconstructions."""
+    api, home_, _ = _setup(home)
+    doc = api.eval_visual(home_, bundle, images, out)
+    if json_out:
+        return _emit_json(doc)
+    console.print(f"{doc['bundle_id']} on {doc['images']} images: PSNR {doc['psnr']:.2f} dB, SSIM {doc['ssim']:.3f}, "
+                  f"codebook usage {doc['usage']:.1%} of {doc['num_codes']}, perplexity {doc['perplexity']:.0f}")
+    console.print(f"  originals beside reconstructions: {doc['grid']}")
+    for r in doc["rejected"]:
+        console.print(f"  rejected {r['path']}: {r['reason']}")
+
+
+@tokenizer_app.command("decode")
+@_user_errors
+def tokenizer_decode(
+    dataset: Annotated[str, typer.Option("--dataset")],
+    sample: Annotated[str, typer.Option("--sample", help="sample_id of a committed sample.")],
+    out: Annotated[Path, typer.Option("--out", help="Image file to write (several images: FILE-0, FILE-1, ...).")],
+    at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
+    home: HomeOpt = None, json_out: JsonOpt = False, catalog_uri: CatalogUriOpt = None,
+):
+    """Turn a committed sample's tokens back into images (and its text segments into text)."""
+    api, home_, cfg = _setup(home, catalog_uri=catalog_uri)
+    doc = api.decode_sample(home_, cfg, dataset, sample, out, at=at)
+    if json_out:
+        return _emit_json(doc)
+    for path in doc["images"]:
+        console.print(f"wrote {path}")
+    for text in doc["text"]:
+        console.print(f"text: {text}", highlight=False)
+
+
 @app.command()
 @_user_errors
 def ingest(
     paths: Annotated[list[Path], typer.Argument(help="Files or folders to tokenize.")],
     dataset: Annotated[str, typer.Option("--dataset", help="Catalog dataset to commit into.")],
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="Text bundle id or path (default: newest).")] = None,
+    visual_tokenizer: Annotated[str | None, typer.Option("--visual-tokenizer", help="Visual bundle id or path "
+                                                         "(default: newest; used when inputs hold images).")] = None,
     home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
     ray_address: Annotated[str | None, typer.Option("--ray-address", help="Ray cluster (default: local).")] = None,
     catalog_uri: CatalogUriOpt = None,
@@ -170,7 +258,7 @@ def ingest(
         cfg.ingest.ray.address = ray_address
     cfg.ingest.ray.progress_bars = not json_out
     with _quiet_stdout(json_out):
-        r = api.ingest(home_, paths, dataset, cfg, text_bundle=tokenizer)
+        r = api.ingest(home_, paths, dataset, cfg, text_bundle=tokenizer, visual_bundle=visual_tokenizer)
     if json_out:
         return _emit_json(r)
     verb = "already committed as" if r.already_committed else "committed"

@@ -19,6 +19,7 @@ from tokenloom.datasets import StreamConfig
 from tokenloom.model import ModelConfig
 from tokenloom.platform.config import IngestConfig, PoolConfig
 from tokenloom.tokenizers.text import TextTokenizerConfig
+from tokenloom.tokenizers.visual.config import VisualTokenizerConfig
 from tokenloom.trainer import TrainConfig
 
 
@@ -27,6 +28,7 @@ class RunConfig:
     catalog: CatalogConfig = field(default_factory=CatalogConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     text_tokenizer: TextTokenizerConfig = field(default_factory=TextTokenizerConfig)
+    visual_tokenizer: VisualTokenizerConfig = field(default_factory=VisualTokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -235,10 +235,10 @@ class TokenCatalog:
         files = [DataFile(t.file.file_path, t.file.record_count, t.file.file_size_in_bytes) for t in tasks]
         return sorted(files, key=lambda f: f.path)
 
-    def scan(self, name: str, at: str | int | None = None, where: str | None = None,
+    def scan(self, name: str, at: str | int | None = None, where=None,
              columns: tuple[str, ...] = ("*",)) -> pa.Table:
         """Rows of a snapshot as Arrow; `where` is an Iceberg filter expression pushed into the scan
-        (for example "num_tokens > 100 and source = 'a.txt'")."""
+        (for example "num_tokens > 100 and source = 'a.txt'") or a pyiceberg BooleanExpression."""
         table = self.table(name)
         snap = self.snapshot(name, at, table)
         if snap is None:

@@ -15,8 +15,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenloom.datasets import images
+
 TEXT_SUFFIXES = {".txt": "text", ".jsonl": "text"}
-ROUTES: dict[str, str] = dict(TEXT_SUFFIXES)  # suffix -> modality pool; new tokenizers add entries
+ROUTES: dict[str, str] = {**TEXT_SUFFIXES, **{suffix: "image" for suffix in images.IMAGE_SUFFIXES}}
+CAPTION = "caption"  # a caption sidecar: part of its image's sample, read by the image parser, no pool
+REFERENCED = "referenced"  # an image named by a pairs .jsonl: read through that file, never on its own
+UNPOOLED = (CAPTION, REFERENCED)  # sources that count for lineage (the job id) but feed no pool
+MAX_IMAGE_BYTES = 256 * 1024 * 1024  # a pairs record naming a bigger file is quarantined unread
 
 _MAGIC = {  # files that are not what their extension says
     b"\x89PNG": "PNG image",
@@ -46,8 +52,9 @@ class Record:
     source: str
     record: str  # position inside the source ("line 12", "file")
     modality: str
-    payload: str | None  # the text, for text records
+    payload: str | None  # the text (for an image record: its caption, if any)
     error: str | None  # quarantine reason
+    blob: bytes | None = None  # image records: the image file's bytes (decoded on the image pool)
 
 
 def sample_id(source: str, record: str) -> str:
@@ -70,14 +77,96 @@ def discover(paths: Iterable[str | os.PathLike]) -> tuple[list[SourceFile], list
         for file in files:
             if any(part.startswith(".") for part in file.relative_to(root).parts if root.is_dir()):
                 continue
-            modality = ROUTES.get(file.suffix.lower())
+            modality = _route(file)
             if modality is None:
                 skipped.append((str(file.absolute()), f"no tokenizer pool for suffix {file.suffix!r}"))
                 continue
-            st = file.stat()
-            key = str(file.resolve())
-            found[key] = SourceFile(key, modality, st.st_size, st.st_mtime_ns)
+            _add(found, file, modality)
+    # what image samples read besides their own file: caption sidecars, and the images a pairs
+    # file names (those are then part of that file's samples, not samples of their own)
+    for src in [s for s in found.values() if s.modality == "image"]:
+        if src.path.lower().endswith(".jsonl"):
+            for target in pair_references(Path(src.path)):
+                _add(found, target, REFERENCED, replace=True)
+        else:
+            sidecar = images.caption_sidecar(Path(src.path))
+            if sidecar is not None:
+                _add(found, sidecar, CAPTION, replace=True)
     return sorted(found.values(), key=lambda s: s.path), skipped
+
+
+def _add(found: dict[str, SourceFile], file: Path, modality: str, replace: bool = False) -> None:
+    key = str(file.resolve())
+    if key in found and not replace:
+        return
+    st = file.stat()
+    found[key] = SourceFile(key, modality, st.st_size, st.st_mtime_ns)
+
+
+def _route(file: Path) -> str | None:
+    suffix = file.suffix.lower()
+    if suffix in images.CAPTION_SUFFIXES and images.is_caption_of_image(file):
+        return CAPTION
+    modality = ROUTES.get(suffix)
+    if suffix == ".jsonl" and _is_pairs_file(file):
+        return "image"
+    return modality
+
+
+def resolve_reference(folder: Path, name: object) -> tuple[Path | None, str | None]:
+    """The image file a pairs record names: a relative path inside the pairs file's folder
+    (no absolute paths, no escaping with `..` or links), an existing regular file of bounded size."""
+    if not isinstance(name, str) or not name.strip():
+        return None, "field 'image' is not a path"
+    if Path(name).is_absolute():
+        return None, f"image path must be relative to the pairs file's folder: {name}"
+    base = folder.resolve()
+    target = (base / name).resolve()
+    if not target.is_relative_to(base):
+        return None, f"image path leaves the pairs file's folder: {name}"
+    if not target.is_file():
+        return None, f"image file not found: {name}"
+    if target.stat().st_size > MAX_IMAGE_BYTES:
+        return None, f"image file larger than {MAX_IMAGE_BYTES >> 20} MiB: {name}"
+    return target, None
+
+
+def _first_record(path: Path) -> object:
+    try:
+        with path.open("rb") as f:
+            head = f.read(65536)
+    except OSError:
+        return None
+    for line in head.split(b"\n"):
+        if line.strip():
+            try:
+                return json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return None
+    return None
+
+
+def _is_pairs_file(path: Path) -> bool:
+    """A .jsonl is a pairs file when its first record names an existing image beside it (reads
+    64 KiB at most); a text corpus whose records carry other `image` metadata stays text."""
+    first = _first_record(path)
+    return isinstance(first, dict) and resolve_reference(path.parent, first.get("image"))[0] is not None
+
+
+def pair_references(path: Path) -> list[Path]:
+    """The image files a pairs .jsonl names (valid references only; bad ones are quarantined
+    by the parser, record by record)."""
+    out = []
+    for raw in path.read_bytes().split(b"\n"):
+        try:
+            obj = json.loads(raw) if raw.strip() else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict) and "image" in obj:
+            target, _ = resolve_reference(path.parent, obj["image"])
+            if target is not None:
+                out.append(target)
+    return out
 
 
 def manifest_hash(sources: Iterable[SourceFile]) -> str:
@@ -142,7 +231,76 @@ def _parse_jsonl(path: str, data: bytes) -> Iterator[Record]:
             yield Record(sid, path, where, "text", obj["text"], None)
 
 
-PARSERS = {"text": parse_text_file}
+def _image_record(sid: str, path: str, where: str, data: bytes, caption: str | None) -> Record:
+    """An image sample; its bytes are decoded (and bad ones quarantined) on the image pool,
+    where the work belongs, not in the read tasks."""
+    if not data:
+        return Record(sid, path, where, "image", None, "empty file")
+    return Record(sid, path, where, "image", caption, None, data)
+
+
+def parse_image_file(path: str, data: bytes) -> Iterator[Record]:
+    """An image file (with its caption sidecar, if any) or a .jsonl of image-text pairs.
+
+    Pairs: one JSON object per line, `{"image": "<path, relative to the .jsonl's folder>",
+    "text": "<caption>"}`; a line without an image is a text-only sample of the same file.
+    """
+    if path.lower().endswith(".jsonl"):
+        yield from _parse_pairs(path, data)
+        return
+    caption, problem = None, None
+    sidecar = images.caption_sidecar(Path(path))
+    if sidecar is not None:
+        caption, problem = images.read_caption(sidecar)
+    if problem:
+        yield Record(sample_id(path, "file"), path, "file", "image", None, f"{problem}: {sidecar.name}")
+        return
+    yield _image_record(sample_id(path, "file"), path, "file", data, caption)
+
+
+def _parse_pairs(path: str, data: bytes) -> Iterator[Record]:
+    folder = Path(path).parent
+    for number, raw_line in enumerate(data.split(b"\n"), start=1):
+        if not raw_line.strip():
+            continue
+        where = f"line {number}"
+        sid = sample_id(path, where)
+        line, problem = _decode(raw_line)
+        obj = None
+        if problem is None:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problem = f"malformed JSON: {exc.msg} at column {exc.colno}"
+        if problem is None and not isinstance(obj, dict):
+            problem = "record is not a JSON object"
+        if problem:
+            yield Record(sid, path, where, "image", None, problem)
+            continue
+        caption = obj.get("text") if obj.get("text") is not None else obj.get("caption")
+        if caption is not None and not isinstance(caption, str):
+            yield Record(sid, path, where, "image", None, "field 'text' is not a string")
+            continue
+        caption = caption.strip() if caption else None
+        if "image" not in obj:
+            if caption:
+                yield Record(sid, path, where, "text", caption, None)
+            else:
+                yield Record(sid, path, where, "image", None, "record has no image and no text")
+            continue
+        target, problem = resolve_reference(folder, obj["image"])
+        if problem:
+            yield Record(sid, path, where, "image", None, problem)
+            continue
+        try:
+            blob = target.read_bytes()
+        except OSError as exc:
+            yield Record(sid, path, where, "image", None, f"image file unreadable: {exc.strerror or exc}")
+            continue
+        yield _image_record(sid, path, where, blob, caption)
+
+
+PARSERS = {"text": parse_text_file, "image": parse_image_file}
 
 
 def parse_file(path: str, modality: str, data: bytes) -> Iterator[Record]:

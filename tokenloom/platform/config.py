@@ -15,7 +15,7 @@ class PoolConfig:
     """One Ray Data actor pool (autoscaling between min_actors and max_actors)."""
 
     num_cpus: float = 0.5  # fractional so read and write tasks are never starved
-    num_gpus: float = 0.0
+    num_gpus: float = 0.0  # per actor, used where the cluster has GPUs (else the pool runs on CPUs)
     resource_label: str = ""  # a custom Ray resource: pools scale independently on CPU-only nodes
     min_actors: int = 2  # measured: starting both actors at once beats scaling up from one
     max_actors: int = 2
@@ -41,7 +41,12 @@ class RayConfig:
 @dataclass
 class IngestConfig:
     ray: RayConfig = field(default_factory=RayConfig)
-    pools: dict[str, PoolConfig] = field(default_factory=lambda: {"text": PoolConfig(resource_label="text_pool")})
+    pools: dict[str, PoolConfig] = field(default_factory=lambda: {
+        "text": PoolConfig(resource_label="text_pool"),
+        # one GPU per actor on GPU nodes; on CPU-only machines a CPU pool with its own label that
+        # scales apart from the text pool
+        "image": PoolConfig(resource_label="image_pool", num_gpus=1.0, min_actors=1, max_actors=2, batch_size=16),
+    })
     read_tasks: int = 0  # 0 = let Ray Data choose
 
     def pool(self, modality: str) -> PoolConfig:

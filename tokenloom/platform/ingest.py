@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,8 +72,11 @@ def ensure_ray(config: IngestConfig) -> None:
     for pool in config.pools.values():
         if pool.resource_label:
             labels[pool.resource_label] = labels.get(pool.resource_label, 0) + pool.max_actors
+    # logical CPUs: every pool's actors plus room for read and write tasks, so that pools that
+    # start at once on a small machine never starve the tasks that feed them (the OS shares the cores)
+    actor_cpus = sum(p.num_cpus * p.max_actors for p in config.pools.values())
     ray.init(
-        num_cpus=config.ray.num_cpus or None,
+        num_cpus=config.ray.num_cpus or max(os.cpu_count() or 1, math.ceil(actor_cpus + 1.5)),
         resources=labels,
         object_store_memory=config.ray.object_store_mb * 1024 * 1024,
         include_dashboard=False,
@@ -80,13 +85,17 @@ def ensure_ray(config: IngestConfig) -> None:
     )
 
 
+RECORD_SCHEMA = pa.schema([(n, pa.string()) for n in ("sample_id", "source", "record", "modality", "payload", "error")]
+                          + [("blob", pa.large_binary())])  # image file bytes, decoded on the image pool
+
+
 def _parse_batch(batch: dict) -> pa.Table:
-    rows = {name: [] for name in ("sample_id", "source", "record", "modality", "payload", "error")}
+    rows = {name: [] for name in RECORD_SCHEMA.names}
     for path, data, modality in zip(batch["path"], batch["bytes"], batch["modality"], strict=True):
         for rec in sources.parse_file(str(path), str(modality), bytes(data)):
             for name in rows:
                 rows[name].append(getattr(rec, name))
-    return pa.table(rows, schema=pa.schema([(n, pa.string()) for n in rows]))
+    return pa.table(rows, schema=RECORD_SCHEMA)
 
 
 def _read_branch(files: list[sources.SourceFile], config: IngestConfig) -> ray.data.Dataset:
@@ -118,12 +127,18 @@ def run_ingest(
         )
     by_modality: dict[str, list[sources.SourceFile]] = {}
     for f in files:
-        by_modality.setdefault(f.modality, []).append(f)
+        if f.modality not in sources.UNPOOLED:  # captions and paired images are read with their sample
+            by_modality.setdefault(f.modality, []).append(f)
+    if not by_modality:
+        raise ValueError(f"only caption files under {', '.join(map(str, inputs))}: no samples to ingest")
+    needed: set[str] = set()
     for modality in by_modality:
         config.pool(modality).validate(modality)
-        if modality not in bundle_paths:
-            raise ValueError(f"inputs include {modality} files but no {modality} tokenizer bundle was given")
-    bundles = {m: Path(p).name for m, p in bundle_paths.items() if m in by_modality}
+        for kind in WORKERS[modality].needs:
+            if kind not in bundle_paths:
+                raise ValueError(f"inputs include {modality} files but no {kind} tokenizer bundle was given")
+            needed.add(kind)
+    bundles = {kind: Path(bundle_paths[kind]).name for kind in sorted(needed)}
     manifest_hash = sources.manifest_hash(files)
     job_id = job_id_for(dataset, manifest_hash, vocab, bundles)
     input_bytes = sum(f.size for f in files)
@@ -135,22 +150,26 @@ def run_ingest(
                             s["quarantined"], s["quarantine_reasons"], skipped, time.perf_counter() - started, input_bytes)
 
     ensure_ray(config)
+    have_gpus = ray.cluster_resources().get("GPU", 0) > 0
     branches = []
     for modality, group in sorted(by_modality.items()):
         pool = config.pool(modality)
         resources = {pool.resource_label: 1} if pool.resource_label else None
+        # GPUs per actor where the cluster has them; elsewhere the pool runs on CPUs under its own label
+        num_gpus = pool.num_gpus if have_gpus else 0
         # blocks of one pool batch each: a file can hold thousands of records, and a whole-file
         # block would pin one actor while the others idle
         records = _read_branch(group, config).repartition(target_num_rows_per_block=pool.batch_size)
         branches.append(
             records.map_batches(
                 WORKERS[modality],
-                fn_constructor_kwargs={"bundle_path": str(bundle_paths[modality]), "vocab": vocab.to_dict()},
+                fn_constructor_kwargs={"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
+                                       "vocab": vocab.to_dict()},
                 batch_format="pyarrow",
                 batch_size=pool.batch_size,
                 compute=ray.data.ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors),
                 num_cpus=pool.num_cpus,
-                num_gpus=pool.num_gpus or None,
+                num_gpus=num_gpus or None,
                 resources=resources,
             )
         )

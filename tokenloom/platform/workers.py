@@ -26,12 +26,39 @@ OUT_SCHEMA = pa.schema(
 )
 
 
+def _text_tokens(ids: list[int], offset: int, bos: int, eos: int) -> np.ndarray:
+    arr = np.empty(len(ids) + 2, dtype=np.int32)
+    arr[0], arr[-1] = bos, eos
+    arr[1:-1] = np.asarray(ids, dtype=np.int32) + offset
+    return arr
+
+
+def _segment(modality: str, start: int, length: int, grid=(), attention: str = "causal") -> dict:
+    return {"modality": modality, "start": start, "length": length, "grid": list(grid), "attention": attention}
+
+
+def _output(batch: pa.Table, token_lists: list, segments: list, errors: list | None = None) -> pa.Table:
+    return pa.Table.from_arrays(
+        [
+            batch.column("sample_id"),
+            batch.column("source"),
+            batch.column("record"),
+            pa.array(token_lists, type=OUT_SCHEMA.field("tokens").type),
+            pa.array(segments, type=OUT_SCHEMA.field("segments").type),
+            pa.array(errors, type=pa.string()) if errors is not None else batch.column("error"),
+        ],
+        schema=OUT_SCHEMA,
+    )
+
+
 class TextPoolWorker:
     """BPE-encode `payload` texts; ids become unified ids wrapped in <bos> ... <eos>."""
 
-    def __init__(self, bundle_path: str, vocab: dict):
+    needs = ("text",)
+
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict):
         manifest = VocabManifest.from_dict(vocab)
-        self.tokenizer = TextTokenizer.load(bundle_path)
+        self.tokenizer = TextTokenizer.load(bundle_paths["text"])
         if self.tokenizer.vocab_size > manifest.text.size:
             raise ValueError(
                 f"text bundle has {self.tokenizer.vocab_size} ids but the manifest's text range holds {manifest.text.size}"
@@ -47,22 +74,90 @@ class TextPoolWorker:
         token_lists: list[np.ndarray | None] = [None] * batch.num_rows
         segments: list[list[dict] | None] = [None] * batch.num_rows
         for i, ids in zip(good, encoded, strict=True):
-            arr = np.empty(len(ids) + 2, dtype=np.int32)
-            arr[0], arr[-1] = self.bos, self.eos
-            arr[1:-1] = np.asarray(ids, dtype=np.int32) + self.offset
-            token_lists[i] = arr
-            segments[i] = [{"modality": "text", "start": 0, "length": len(arr), "grid": [], "attention": "causal"}]
-        return pa.Table.from_arrays(
-            [
-                batch.column("sample_id"),
-                batch.column("source"),
-                batch.column("record"),
-                pa.array(token_lists, type=OUT_SCHEMA.field("tokens").type),
-                pa.array(segments, type=OUT_SCHEMA.field("segments").type),
-                batch.column("error"),
-            ],
-            schema=OUT_SCHEMA,
-        )
+            token_lists[i] = _text_tokens(ids, self.offset, self.bos, self.eos)
+            segments[i] = [_segment("text", 0, len(token_lists[i]))]
+        return _output(batch, token_lists, segments)
 
 
-WORKERS = {"text": TextPoolWorker}
+class ImagePoolWorker(TextPoolWorker):
+    """Visual-tokenize images (dual-path tokenizer) with their captions, into one sample each.
+
+    Layout of an image sample: `<bos> <boi> | h*w visual codes (raster) | <eoi> caption <eos>`,
+    segments text (causal) | image (bidirectional, grid [h, w]) | text (causal). Records with
+    no image (text-only lines of a pairs file) become text samples, as in the text pool.
+    Images are resized into the tokenizer's pixel budget (aspect kept) and encoded in batches
+    of equal size; on a GPU actor the tokenizer runs on the GPU.
+    """
+
+    needs = ("text", "visual")
+
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict):
+        import torch
+
+        from tokenloom.tokenizers.visual import load_visual
+
+        super().__init__(bundle_paths, vocab)
+        manifest = VocabManifest.from_dict(vocab)
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            torch.set_num_threads(1)  # an actor is one slot of the pool: parallelism comes from actors
+        self.model = load_visual(bundle_paths["visual"]).to(self.device)
+        if self.model.num_codes > manifest.visual.size:
+            raise ValueError(f"visual bundle has {self.model.num_codes} codes but the manifest's visual range "
+                             f"holds {manifest.visual.size}")
+        self.visual_offset = manifest.visual.start
+        self.boi, self.eoi = manifest.specials["<boi>"], manifest.specials["<eoi>"]
+
+    def _encode_images(self, pixels: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        from tokenloom.tokenizers.visual import prepare
+
+        prepared = {i: prepare(p, self.model.cfg) for i, p in pixels.items()}
+        by_shape: dict[tuple, list[int]] = {}
+        for i, image in prepared.items():
+            by_shape.setdefault(tuple(image.shape), []).append(i)
+        codes: dict[int, np.ndarray] = {}
+        for rows in by_shape.values():
+            for start in range(0, len(rows), 16):
+                chunk = rows[start:start + 16]
+                x = self.torch.stack([prepared[i] for i in chunk]).to(self.device)
+                out = self.model.encode(x).cpu().numpy()
+                for j, i in enumerate(chunk):
+                    codes[i] = out[j]
+        return codes
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from tokenloom.datasets.images import decode_image
+
+        errors = batch.column("error").to_pylist()
+        payloads = batch.column("payload").to_pylist()
+        blobs = batch.column("blob").to_pylist()
+        token_lists: list[np.ndarray | None] = [None] * batch.num_rows
+        segments: list[list[dict] | None] = [None] * batch.num_rows
+        pixels: dict[int, np.ndarray] = {}
+        for i, err in enumerate(errors):
+            if err is None and blobs[i] is not None:
+                # decoded no larger than needed: the tokenizer resizes into its pixel budget anyway
+                decoded, errors[i] = decode_image(blobs[i], max_decoded_pixels=4 * self.model.cfg.max_pixels)
+                if decoded is not None:
+                    pixels[i] = decoded.pixels
+        codes = self._encode_images(pixels) if pixels else {}
+        good = [i for i, err in enumerate(errors) if err is None]
+        captions = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
+        for i, caption in zip(good, captions, strict=True):
+            if i not in codes:  # a text-only record
+                token_lists[i] = _text_tokens(caption, self.offset, self.bos, self.eos)
+                segments[i] = [_segment("text", 0, len(token_lists[i]))]
+                continue
+            grid = codes[i]
+            h, w = grid.shape
+            tail = _text_tokens(caption, self.offset, self.eoi, self.eos)  # <eoi> caption <eos>
+            tokens = np.concatenate([np.array([self.bos, self.boi], dtype=np.int32),
+                                     grid.reshape(-1).astype(np.int32) + self.visual_offset, tail])
+            token_lists[i] = tokens
+            segments[i] = [_segment("text", 0, 2), _segment("image", 2, h * w, (h, w), "bidirectional"),
+                           _segment("text", 2 + h * w, len(tail))]
+        return _output(batch, token_lists, segments, errors)
+
+
+WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The visual tokenizer on a GPU machine, in one go and in under 6 minutes:
+#   1. correctness: tests/test_visual.py (CPU reference behaviour on the GPU machine's torch);
+#   2. speed: encode images/s for the dual-path tokenizer and the CNN baseline at 128 and 256 px,
+#      bf16 and fp32, with peak memory; then a 2-minute training run (batch 64, bf16 autocast)
+#      with its throughput and held-out PSNR/usage.
+# Output goes to $OUT (default bench/out/gpu). Exit status: non-zero if a stage failed.
+#
+#   bash bench/gpu_visual.sh            # PYTHON=/path/to/python to choose the interpreter
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT:-bench/out/gpu}"
+mkdir -p "$OUT_DIR"
+if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+{
+  echo "== environment ($(date -u))"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+  "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT_DIR/visual-env.txt"
+timeout 120 "$PY" -m pytest tests/test_visual.py -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT_DIR/visual-tests.txt" \
+  || status=1
+timeout 300 "$PY" bench/gpu_visual.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/visual-bench.txt" || status=1
+exit $status

@@ -1,0 +1,365 @@
+"""Training, evaluation and bundles of the visual tokenizer.
+
+Training runs on random crops (torchvision RandomResizedCrop + flips) of the training
+photos for a wall-clock budget, with a cosine learning-rate schedule over that budget,
+periodic checkpoints (resumable: model, optimizer, RNG, step and elapsed time) and a
+held-out evaluation (PSNR, SSIM, codebook usage and perplexity, plus a PNG grid of
+originals beside reconstructions). The result is published as a content-addressed bundle
+(safetensors weights + bundle.json); loading never unpickles.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
+
+from tokenloom.tokenizers import bundle
+from tokenloom.tokenizers.visual.model import (
+    VisualTokenizer,
+    VisualTokenizerConfig,
+    fit_to_budget,
+    parameter_count,
+    resize_images,
+)
+
+FORMAT = "tokenloom.visual/1"
+WEIGHTS = "model.safetensors"
+CHECKPOINT = "checkpoint.pt"
+
+
+# -- images as tensors --------------------------------------------------------------------
+def to_tensor(pixels: np.ndarray) -> torch.Tensor:
+    """H x W x 3 uint8 -> [3, H, W] float in [0, 1]."""
+    if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype != np.uint8:
+        raise ValueError(f"expected an H x W x 3 uint8 RGB array, got {pixels.shape} {pixels.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float() / 255.0
+
+
+def to_pixels(image: torch.Tensor) -> np.ndarray:
+    """[3, H, W] in [0, 1] -> H x W x 3 uint8."""
+    return (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
+
+
+def prepare(pixels: np.ndarray, cfg: VisualTokenizerConfig) -> torch.Tensor:
+    """An RGB image resized into the encode-time pixel budget: [3, h*f, w*f] in [0, 1]."""
+    image = to_tensor(pixels)
+    size = fit_to_budget(image.shape[1], image.shape[2], cfg.max_pixels, cfg.factor)
+    return resize_images(image[None], size)[0]
+
+
+class CropSampler:
+    """Random training crops of a fixed set of photos (torchvision v2 transforms)."""
+
+    def __init__(self, photos: list[np.ndarray], size: int, seed: int, scale: tuple[float, float] = (0.05, 0.6)):
+        from torchvision.transforms import v2
+
+        if not photos:
+            raise ValueError("no training images")
+        self.photos = [torch.from_numpy(np.ascontiguousarray(p)).permute(2, 0, 1) for p in photos]
+        weights = torch.tensor([math.sqrt(p.shape[1] * p.shape[2]) for p in self.photos])
+        self.weights = weights / weights.sum()  # bigger photos hold more distinct crops
+        self.transform = v2.Compose([
+            v2.RandomResizedCrop(size, scale=scale, ratio=(3 / 4, 4 / 3), antialias=True),
+            v2.RandomHorizontalFlip(),
+        ])
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def batch(self, n: int) -> torch.Tensor:
+        picks = torch.multinomial(self.weights, n, replacement=True, generator=self.generator)
+        # torchvision's transforms draw from the global RNG: seed it from ours, so a resumed run continues the stream
+        torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self.generator)))
+        crops = [self.transform(self.photos[int(i)]) for i in picks]
+        return torch.stack(crops).float() / 255.0
+
+    def state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def load_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
+def heldout_crops(photos: list[np.ndarray], per_photo: int, size: int, seed: int) -> list[torch.Tensor]:
+    """A fixed evaluation set: `per_photo` crops of each held-out photo (plus the whole photo
+    resized to size x size), the same on every call."""
+    sampler = CropSampler(photos, size, seed, scale=(0.1, 0.8))
+    out = []
+    with torch.random.fork_rng():
+        for photo in sampler.photos:
+            out.append(resize_images(photo[None].float() / 255.0, (size, size))[0])
+            torch.manual_seed(seed)
+            out += [sampler.transform(photo).float() / 255.0 for _ in range(per_photo)]
+    return out
+
+
+# -- metrics ------------------------------------------------------------------------------
+@dataclass
+class EvalResult:
+    psnr: float
+    ssim: float
+    usage: float  # fraction of the codebook used on these images
+    perplexity: float  # exp(entropy) of the code histogram
+    images: int
+    codes: int
+    num_codes: int
+    per_image: list[dict] = field(default_factory=list)
+    grid: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def evaluate(model: VisualTokenizer, images: list[torch.Tensor], names: list[str] | None = None,
+             grid_path: Path | None = None, batch_size: int = 8) -> EvalResult:
+    """Reconstruct `images` ([3, H, W] in [0, 1], sides multiples of the factor)."""
+    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+    if not images:
+        raise ValueError("nothing to evaluate: no images")
+    model.eval()
+    names = names or [f"image {i}" for i in range(len(images))]
+    histogram = torch.zeros(model.num_codes, dtype=torch.long)
+    per_image: list[dict] = [{}] * len(images)
+    recons: list[torch.Tensor] = [torch.empty(0)] * len(images)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, image in enumerate(images):
+        by_shape.setdefault(tuple(image.shape), []).append(i)
+    for indices in by_shape.values():
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start:start + batch_size]
+            x = torch.stack([images[i] for i in chunk]).to(_device_of(model))
+            codes = model.encode(x)
+            recon = model.decode(codes).float()
+            x, codes, recon = x.cpu(), codes.cpu(), recon.cpu()
+            histogram += torch.bincount(codes.flatten(), minlength=model.num_codes)
+            psnr = peak_signal_noise_ratio(recon, x, data_range=1.0, reduction="none", dim=(1, 2, 3))
+            ssim = structural_similarity_index_measure(recon, x, data_range=1.0, reduction="none")
+            for j, i in enumerate(chunk):
+                recons[i] = recon[j]
+                per_image[i] = {"name": names[i], "height": int(x.shape[2]), "width": int(x.shape[3]),
+                                "grid": [int(codes.shape[1]), int(codes.shape[2])],
+                                "psnr": float(psnr[j]), "ssim": float(ssim[j])}
+    probs = histogram.double() / histogram.sum()
+    nonzero = probs[probs > 0]
+    result = EvalResult(
+        psnr=float(np.mean([p["psnr"] for p in per_image])),
+        ssim=float(np.mean([p["ssim"] for p in per_image])),
+        usage=float((histogram > 0).sum()) / model.num_codes,
+        perplexity=float(torch.exp(-(nonzero * nonzero.log()).sum())),
+        images=len(images),
+        codes=int(histogram.sum()),
+        num_codes=model.num_codes,
+        per_image=per_image,
+    )
+    if grid_path is not None:
+        result.grid = str(save_grid(images, recons, grid_path))
+    return result
+
+
+def _device_of(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def save_grid(originals: list[torch.Tensor], recons: list[torch.Tensor], path: Path, max_pairs: int = 12,
+              cell: int = 160) -> Path:
+    """PNG: each row an original beside its reconstruction (letterboxed to cell x cell)."""
+    from torchvision.utils import save_image
+
+    tiles = []
+    for original, recon in list(zip(originals, recons, strict=True))[:max_pairs]:
+        for image in (original, recon):
+            h, w = image.shape[1:]
+            scale = cell / max(h, w)
+            small = resize_images(image[None].clamp(0, 1), (max(1, round(h * scale)), max(1, round(w * scale))))[0]
+            tile = torch.ones(3, cell, cell)
+            top, left = (cell - small.shape[1]) // 2, (cell - small.shape[2]) // 2
+            tile[:, top:top + small.shape[1], left:left + small.shape[2]] = small
+            tiles.append(tile)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_image(torch.stack(tiles), str(path), nrow=2, padding=4, pad_value=1.0)
+    return path
+
+
+# -- bundles ------------------------------------------------------------------------------
+def config_from_dict(doc: dict) -> VisualTokenizerConfig:
+    known = VisualTokenizerConfig.__dataclass_fields__
+    values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in doc.items() if k in known}
+    return VisualTokenizerConfig(**values)
+
+
+def publish_bundle(model: VisualTokenizer, store: Path, heldout: dict | None = None) -> bundle.BundleInfo:
+    if not model.codebook_ready:
+        raise ValueError("refusing to publish a visual tokenizer whose VQ codebook was never initialized")
+    staging = bundle.staging_dir(store)
+    save_model(model, str(staging / WEIGHTS))
+    doc = {
+        "kind": "visual",
+        "format": FORMAT,
+        "config": asdict(model.cfg),
+        "extra_cnn_blocks": model.extra_cnn_blocks,
+        "num_codes": model.num_codes,
+        "factor": model.cfg.factor,
+        "grid_order": "raster",
+        "parameters": parameter_count(model),
+        "heldout": heldout or {},
+    }
+    (staging / bundle.CONFIG_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True))
+    return bundle.publish(staging, store, "visual")
+
+
+def load_visual(path: Path | str) -> VisualTokenizer:
+    """A visual tokenizer bundle, ready to encode/decode (eval mode, no gradients)."""
+    info = bundle.load_info(Path(path))
+    if info.kind != "visual" or info.config.get("format") != FORMAT:
+        raise ValueError(f"bundle {info.id} is a {info.kind} tokenizer, not a visual tokenizer ({FORMAT})")
+    model = VisualTokenizer(config_from_dict(info.config["config"]), int(info.config.get("extra_cnn_blocks", 0)))
+    load_model(model, str(Path(path) / WEIGHTS), strict=True)
+    model.eval().requires_grad_(False)
+    model.bundle_id = info.id
+    return model
+
+
+# -- training -----------------------------------------------------------------------------
+@dataclass
+class VisualTrainResult:
+    bundle: bundle.BundleInfo
+    steps: int
+    seconds: float
+    images_per_second: float
+    heldout: dict
+    run_dir: str
+    parameters: int
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if path.is_file():
+        records = [json.loads(line) for line in path.read_text().splitlines() if line]
+        kept = [json.dumps(r) for r in records if r["step"] < step or (r["step"] == step and "loss" in r)]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+_BUDGET_KEYS = ("steps", "max_minutes", "eval_every_s", "checkpoint_every_s", "threads")
+
+
+def _recipe(config: dict) -> dict:
+    """What must match to resume: everything but the budgets and bookkeeping intervals."""
+    return {k: v for k, v in json.loads(json.dumps(config)).items() if k not in _BUDGET_KEYS}
+
+
+def _lr(cfg: VisualTokenizerConfig, step: int, progress: float) -> float:
+    warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+    return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def train_visual(train_photos: list[np.ndarray], heldout_photos: list[np.ndarray], cfg: VisualTokenizerConfig,
+                 store: Path, run_dir: Path, *, extra_cnn_blocks: int = 0, resume: bool = False,
+                 progress: bool = True, stop_after: int = 0, device: str | None = None) -> VisualTrainResult:
+    """Train for `cfg.max_minutes` (or `cfg.steps`), evaluate on held-out crops, publish a bundle.
+
+    `resume` continues from the run folder's checkpoint (same recipe; the step and time budgets
+    may differ). `stop_after` ends this invocation after that many steps, as an interruption
+    would, without changing the schedule (tests use it to check resume)."""
+    from tqdm.auto import tqdm
+
+    cfg.validate()
+    if not heldout_photos:
+        raise ValueError("no held-out images: evaluation needs at least one")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = VisualTokenizer(cfg, extra_cnn_blocks).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    sampler = CropSampler(train_photos, cfg.image_size, cfg.seed)
+    eval_set = heldout_crops(heldout_photos, cfg.eval_crops, cfg.image_size, cfg.seed + 1)
+    step, elapsed = 0, 0.0
+    ckpt_path = run_dir / CHECKPOINT
+    if resume and not ckpt_path.is_file():
+        raise ValueError(f"nothing to resume: {run_dir} has no {CHECKPOINT}")
+    if not resume and ckpt_path.is_file():
+        raise ValueError(f"{run_dir} already holds a training run: resume it or choose another run folder")
+    if resume:
+        state = torch.load(ckpt_path, weights_only=True, map_location=device)
+        if _recipe(state["config"]) != _recipe(asdict(cfg)) or state["extra_cnn_blocks"] != extra_cnn_blocks:
+            raise ValueError(f"checkpoint in {run_dir} was made with another config; use a new run directory")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        sampler.load_state(state["sampler"].cpu())
+        step, elapsed = int(state["step"]), float(state["elapsed"])
+        _truncate_metrics(run_dir / "metrics.jsonl", step)  # steps after the checkpoint are redone
+    budget = cfg.max_minutes * 60.0
+
+    def checkpoint() -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state(),
+                    "step": step, "elapsed": elapsed, "config": json.loads(json.dumps(asdict(cfg))),
+                    "extra_cnn_blocks": extra_cnn_blocks}, tmp)
+        tmp.replace(ckpt_path)
+
+    metrics = (run_dir / "metrics.jsonl").open("a")
+    bar = tqdm(total=round(budget), initial=min(round(elapsed), round(budget)), unit="s", disable=not progress,
+               desc=f"visual tokenizer ({cfg.arch}, {cfg.quantizer})")
+    start, last_ckpt, last_eval, images_seen = time.perf_counter() - elapsed, elapsed, elapsed, 0
+    run_start_elapsed = elapsed
+    model.train()
+    first_step = step
+    while step < cfg.steps and elapsed < budget and not (stop_after and step - first_step >= stop_after):
+        batch = sampler.batch(cfg.batch_size).to(device, non_blocking=True)
+        lr = _lr(cfg, step, max(step / cfg.steps, elapsed / budget))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # bf16 autocast: always on CUDA; on CPU only when asked (slower on AVX2-only CPUs)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16_autocast or device.type == "cuda"):
+            recon, _, aux = model(batch)
+        recon = recon.float()
+        mse = F.mse_loss(recon, batch)
+        loss = mse + 0.2 * F.l1_loss(recon, batch) + aux
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        images_seen += batch.shape[0]
+        now = time.perf_counter() - start
+        bar.update(min(round(now), round(budget)) - bar.n)
+        elapsed = now
+        train_psnr = -10 * math.log10(max(float(mse.detach()), 1e-10))
+        loss_value = float(loss.detach())
+        bar.set_postfix(step=step, loss=f"{loss_value:.4f}", psnr=f"{train_psnr:.1f}")
+        record = {"step": step, "elapsed": round(elapsed, 2), "loss": loss_value, "train_psnr": train_psnr, "lr": lr}
+        if elapsed - last_eval >= cfg.eval_every_s:
+            ev = evaluate(model, eval_set, grid_path=run_dir / f"eval-step{step:06d}.png")
+            record.update(heldout_psnr=ev.psnr, heldout_ssim=ev.ssim, usage=ev.usage, perplexity=ev.perplexity)
+            last_eval = elapsed
+            model.train()
+        metrics.write(json.dumps(record) + "\n")
+        if elapsed - last_ckpt >= cfg.checkpoint_every_s:
+            checkpoint()
+            last_ckpt = elapsed
+    bar.close()
+    checkpoint()
+    final = evaluate(model, eval_set, grid_path=run_dir / "eval-final.png")
+    metrics.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "heldout_psnr": final.psnr,
+                              "heldout_ssim": final.ssim, "usage": final.usage, "perplexity": final.perplexity}) + "\n")
+    metrics.close()
+    heldout = {k: v for k, v in final.to_dict().items() if k not in ("per_image", "grid")}
+    info = publish_bundle(model, store, heldout)
+    run_seconds = elapsed - run_start_elapsed
+    result = VisualTrainResult(info, step, elapsed, images_seen / max(run_seconds, 1e-9), heldout, str(run_dir),
+                               parameter_count(model))
+    (run_dir / "summary.json").write_text(json.dumps({**asdict(result), "bundle": info.id,
+                                                      "grid": final.grid}, indent=2, default=str))
+    return result
