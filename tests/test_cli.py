@@ -70,3 +70,32 @@ def test_visual_tokenizer_train_then_eval_on_files(tmp_path):
     assert r.returncode == 2 and "no usable images" in r.stderr
     r = _run("tokenizer", "train", "visual", "--images", str(images), "factor=4", home=tmp_path / "home")
     assert r.returncode == 2 and "visual_tokenizer.factor must be 8 or 16" in r.stderr
+
+
+TINY_AUDIO = ["channels=8", "max_channels=32", "latent_dim=16", "levels=4", "codebook_size=32", "code_dim=4",
+              "batch_size=2", "segment_seconds=0.25", "steps=3", "warmup_steps=1", "eval_seconds=1.0"]
+
+
+def test_audio_tokenizer_train_then_eval_on_files(tmp_path):
+    from tokenloom.datasets.speech import write_sample_audio
+
+    audio = write_sample_audio(tmp_path / "audio", with_bad_inputs=True, utterances=3)
+    r = _run("tokenizer", "train", "audio", "--audio", str(audio), "--run", "a", "--json", *TINY_AUDIO,
+             home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["bundle_id"].startswith("audio-") and doc["steps"] == 3 and doc["levels"] == 4
+    assert sorted(doc["heldout"]["by_levels"]) == ["1", "2", "4"] and len(doc["heldout"]["usage"]) == 4
+    assert len(doc["rejected"]) == 6, "every bad file is named with its reason"
+    r = _run("tokenizer", "eval", "audio", "--bundle", doc["bundle_id"], "--audio", str(audio / "odd"), "--levels",
+             "2", "--out", str(tmp_path / "eval"), "--json", home=tmp_path / "home")
+    assert r.returncode == 0, r.stderr[-2000:]
+    ev = json.loads(r.stdout)
+    assert ev["clips"] == 6 and ev["levels"] == 2 and ev["bitrate"] == 50 * 2 * 5
+    assert ev["si_sdr"] == ev["by_levels"]["2"]["si_sdr"]
+    assert (tmp_path / "eval" / "spectrograms.png").is_file() and len(list((tmp_path / "eval").glob("*.wav"))) == 4
+    r = _run("tokenizer", "eval", "audio", "--bundle", doc["bundle_id"], "--audio", str(audio), "--levels", "9",
+             home=tmp_path / "home")
+    assert r.returncode == 2 and "--levels must be 1..4" in r.stderr
+    r = _run("tokenizer", "train", "audio", "--audio", str(audio), "frame_rate=30", home=tmp_path / "home")
+    assert r.returncode == 2 and "audio_tokenizer.frame_rate must be one of" in r.stderr

@@ -29,14 +29,18 @@ def demo_home(tmp_path_factory):
 def test_demo_runs_end_to_end(demo_home):
     home, s = demo_home
     assert s["samples"] > 500 and s["tokens"] > 50_000
-    # the demo corpus carries deliberately bad inputs: 8 text records (write_bad_inputs) and
-    # 6 image files (write_bad_images)
-    assert s["quarantined"] == 14
+    # the demo corpus carries deliberately bad inputs: 8 text records (write_bad_inputs),
+    # 6 image files (write_bad_images) and 6 audio files (write_bad_audio)
+    assert s["quarantined"] == 20
+    assert s["quarantine_reasons"]["non-finite samples (NaN or infinity)"] == 2
     assert s["quarantine_reasons"]["invalid UTF-8"] == 2
     assert s["quarantine_reasons"]["decompression bomb"] == 1
     # images with captions beside text: 18 photos (4 of them through pairs.jsonl), 18 crops, 7 odd files
     assert s["modalities"]["image"]["samples"] == 43
     assert s["visual_tokenizer"].startswith("visual-") and s["visual_reused"] is False
+    # speech with transcripts: 8 files, 3 pairs; 6 tones/noises; 6 odd files
+    assert s["modalities"]["audio"]["samples"] == 23
+    assert s["audio_tokenizer"].startswith("audio-") and s["audio_reused"] is False
     assert s["steps"] == 30 and s["loss_last"] < s["loss_first"] - 0.3
     assert s["train_tokens_per_second"] > 0
     run = Path(s["run_dir"])
@@ -50,7 +54,7 @@ def test_catalog_reports_the_committed_snapshot(demo_home):
     assert (shown["snapshot_id"], shown["samples"], shown["tokens"], shown["quarantined"]) == (
         s["snapshot_id"], s["samples"], s["tokens"], s["quarantined"])
     assert shown["vocab_id"].startswith("vocab-")
-    assert shown["bundle_ids"] == sorted([s["text_tokenizer"], s["visual_tokenizer"]])
+    assert shown["bundle_ids"] == sorted([s["text_tokenizer"], s["visual_tokenizer"], s["audio_tokenizer"]])
     assert sum(f["record_count"] for f in shown["files"]) == s["samples"]
     history = _cli("catalog", "history", "stdlib-docs", "--json", home=home)
     assert [h["snapshot_id"] for h in history] == [s["snapshot_id"]]

@@ -22,6 +22,7 @@ from tokenloom.catalog import TokenCatalog
 from tokenloom.catalog.stats import hist_edges
 from tokenloom.datasets import shard_files, sources
 from tokenloom.datasets.samples import write_sample_corpus, write_sample_images
+from tokenloom.datasets.speech import write_sample_audio
 from tokenloom.runconfig import RunConfig
 from tokenloom.tokenizers import bundle as bundles
 from tokenloom.tokenizers.text import train_text_tokenizer
@@ -97,7 +98,7 @@ def latest_bundle(home: Home, kind: str) -> Path:
     if not found:
         raise FileNotFoundError(
             f"no {kind} tokenizer in {home.bundles}; train one with `tokenloom tokenizer train {kind} "
-            f"{'--images' if kind == 'visual' else '--corpus'} PATH`"
+            f"{ {'visual': '--images', 'audio': '--audio'}.get(kind, '--corpus')} PATH`"
         )
     return found[-1]
 
@@ -128,6 +129,29 @@ def _split_heldout(items: list, fraction: float) -> tuple[list, list]:
     return [it for it in items if id(it) not in held], [it for it in items if id(it) in held]
 
 
+def _train_and_heldout(load, inputs: Sequence[str | Path], heldout: Sequence[str | Path], what: str
+                       ) -> tuple[tuple[list, list], list[tuple[str, str]]]:
+    """Load training and held-out media with `load` (explicit held-out files, or 10% of the
+    inputs by path hash): ((train arrays, held-out arrays), rejected (path, reason))."""
+    train_items, skipped = load(inputs)
+    if heldout:
+        held_items, bad = load(heldout)
+        skipped += bad
+    elif len(train_items) >= 2:
+        train_items, held_items = _split_heldout(train_items, 0.1)
+    else:
+        held_items = []
+    if not train_items or not held_items:
+        raise ValueError(f"need at least two usable {what} (one held out) under {', '.join(map(str, inputs))}; "
+                         f"found {len(train_items) + len(held_items)}"
+                         + (f", rejected {len(skipped)}: {skipped[0][1]}" if skipped else ""))
+    return ([a for _, a in train_items], [a for _, a in held_items]), skipped
+
+
+def _run_dir(home: Home, kind: str, run_name: str | None) -> Path:
+    return home.runs / (run_name or f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+
+
 def train_visual(home: Home, images: Sequence[str | Path], cfg: RunConfig, heldout: Sequence[str | Path] = (),
                  run_name: str | None = None, resume: bool = False, progress: bool = True,
                  photos: tuple[list, list] | None = None):
@@ -139,23 +163,10 @@ def train_visual(home: Home, images: Sequence[str | Path], cfg: RunConfig, heldo
     vcfg.validate()
     skipped: list[tuple[str, str]] = []
     if photos is None:
-        train_items, skipped = load_image_files(images)
-        if heldout:
-            held_items, bad = load_image_files(heldout)
-            skipped += bad
-        elif len(train_items) >= 2:
-            train_items, held_items = _split_heldout(train_items, 0.1)
-        else:
-            held_items = []
-        if not train_items or not held_items:
-            raise ValueError(f"need at least two usable images (one held out) under {', '.join(map(str, images))}; "
-                             f"found {len(train_items) + len(held_items)}"
-                             + (f", rejected {len(skipped)}: {skipped[0][1]}" if skipped else ""))
-        photos = ([p for _, p in train_items], [p for _, p in held_items])
+        photos, skipped = _train_and_heldout(load_image_files, images, heldout, "images")
     extra = matched_baseline(vcfg)[1] if vcfg.arch == "cnn" else 0
-    run_dir = home.runs / (run_name or f"visual-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
-    result = run(photos[0], photos[1], vcfg, home.bundles, run_dir, extra_cnn_blocks=extra, resume=resume,
-                 progress=progress)
+    result = run(photos[0], photos[1], vcfg, home.bundles, _run_dir(home, "visual", run_name), extra_cnn_blocks=extra,
+                 resume=resume, progress=progress)
     return result, skipped
 
 
@@ -178,8 +189,82 @@ def eval_visual(home: Home, bundle_ref: str, images: Sequence[str | Path], out_d
     return doc
 
 
-def decode_sample(home: Home, cfg: RunConfig, dataset: str, sample: str, out: Path, at: str | None = None) -> dict:
-    """Turn the image segments of a committed sample back into image files (PNG); text
+def load_audio_files(paths: Sequence[str | Path], seconds: float | None = None
+                     ) -> tuple[list[tuple[str, object]], list[tuple[str, str]]]:
+    """Audio files under `paths` as 16 kHz mono float arrays (at most `seconds` each), read as
+    ingestion reads them: ([(path, samples)], [(path, reason)] for unusable files)."""
+    import numpy as np
+
+    from tokenloom.datasets.audio import AudioProblem, probe, read_blocks
+    from tokenloom.tokenizers.audio import to_mono_16k
+
+    files, skipped = sources.discover(paths)
+    good, bad = [], list(skipped)
+    for src in files:
+        if src.modality not in ("audio", sources.REFERENCED) or sources.ROUTES.get(Path(src.path).suffix.lower()) != "audio":
+            continue
+        try:
+            info = probe(src.path)
+            parts, total = [], 0
+            for block in read_blocks(src.path, 30.0):
+                parts.append(to_mono_16k(block, info.sample_rate))
+                total += len(parts[-1])
+                if seconds and total >= seconds * 16_000:
+                    break
+            samples = np.concatenate(parts)[: int(seconds * 16_000) if seconds else None]
+            good.append((src.path, samples))
+        except AudioProblem as exc:
+            bad.append((src.path, str(exc)))
+    return good, bad
+
+
+def train_audio(home: Home, audio: Sequence[str | Path], cfg: RunConfig, heldout: Sequence[str | Path] = (),
+                run_name: str | None = None, resume: bool = False, progress: bool = True,
+                clips: tuple[list, list] | None = None):
+    """Train an RVQ audio tokenizer on audio files (or on given (train, held-out) 16 kHz arrays)."""
+    from tokenloom.tokenizers.audio import train_audio as run
+
+    acfg = cfg.audio_tokenizer
+    acfg.validate()
+    skipped: list[tuple[str, str]] = []
+    if clips is None:
+        clips, skipped = _train_and_heldout(load_audio_files, audio, heldout, "audio files")
+    result = run(clips[0], clips[1], acfg, home.bundles, _run_dir(home, "audio", run_name), resume=resume,
+                 progress=progress)
+    return result, skipped
+
+
+def eval_audio(home: Home, bundle_ref: str, audio: Sequence[str | Path], levels: int | None = None,
+               out_dir: Path | None = None, max_seconds: float = 30.0) -> dict:
+    """SI-SDR, mel distance, bitrate and codebook usage per level of an audio bundle on anyone's
+    files (the first `max_seconds` of each), with spectrograms and WAVs."""
+    import torch
+
+    from tokenloom.tokenizers.audio import evaluate, load_audio
+
+    model = load_audio(bundles.resolve(home.bundles, bundle_ref))
+    if levels is not None and not 1 <= levels <= model.levels:
+        raise ValueError(f"--levels must be 1..{model.levels} for this bundle, got {levels}")
+    good, bad = load_audio_files(audio, seconds=max_seconds)
+    if not good:
+        raise ValueError(f"no usable audio under {', '.join(map(str, audio))}"
+                         + (f" ({len(bad)} rejected, e.g. {bad[0][0]}: {bad[0][1]})" if bad else ""))
+    out_dir = Path(out_dir or home.root / "evals" / f"{model.bundle_id}-{time.strftime('%Y%m%d-%H%M%S')}")
+    clips = [torch.from_numpy(a)[None] for _, a in good]
+    result = evaluate(model, clips, out_dir, names=[p for p, _ in good], levels=levels)
+    doc = {"bundle_id": model.bundle_id, **result.to_dict(), "rejected": [{"path": p, "reason": r} for p, r in bad]}
+    doc["levels"] = levels or model.levels
+    doc["si_sdr"], doc["mel"] = result.by_levels[doc["levels"]]["si_sdr"], result.by_levels[doc["levels"]]["mel"]
+    doc["bitrate"] = model.cfg.bitrate(doc["levels"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "metrics.json").write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def decode_sample(home: Home, cfg: RunConfig, dataset: str, sample: str, out: Path, at: str | None = None,
+                  levels: int | None = None) -> dict:
+    """Turn the image segments of a committed sample back into image files (PNG) and its audio
+    segments into WAV files (from the first `levels` RVQ levels, all by default); text
     segments are decoded to text with the sample's text bundle."""
     from tokenloom.tokenizers.text import TextTokenizer
     from tokenloom.tokenizers.visual import load_visual, to_pixels
@@ -226,14 +311,39 @@ def decode_sample(home: Home, cfg: RunConfig, dataset: str, sample: str, out: Pa
                        if t in vocab.text]
                 if ids:
                     texts.append(tok.decode(ids))
-    if not written and not texts:
-        raise ValueError(f"sample {sample} has no image or text segments to decode")
-    return {"dataset": dataset, "sample_id": sample, "images": written, "text": texts}
+    sounds = [s for s in row["segments"] if s["modality"] == "audio"]
+    sounds_written: list[str] = []
+    if sounds:
+        import numpy as np
+        import soundfile as sf
+        import torch
+
+        from tokenloom.tokenizers.audio import load_audio
+
+        audio_id = vocab.bundles.get("audio")
+        if not audio_id:
+            raise ValueError(f"sample {sample} has audio segments but its vocabulary names no audio bundle")
+        model = load_audio(bundles.resolve(home.bundles, audio_id))
+        offsets = np.array([r.start for r in vocab.audio], dtype=np.int64)
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for k, seg in enumerate(sounds):
+            frames, nlevels = seg["grid"]
+            ids = np.asarray(tokens[seg["start"]:seg["start"] + seg["length"]], dtype=np.int64).reshape(frames, nlevels)
+            codes = torch.from_numpy(ids - offsets[None, :nlevels])[None]
+            wav = model.decode(codes, levels)[0, 0].clamp(-1, 1).numpy()
+            stem = out.with_suffix("") if out.suffix.lower() == ".wav" else out
+            target = stem.with_suffix(".wav") if len(sounds) == 1 else stem.with_name(f"{stem.name}-{k}.wav")
+            sf.write(target, wav, model.cfg.sample_rate, subtype="PCM_16")
+            sounds_written.append(str(target))
+    if not written and not sounds_written and not texts:
+        raise ValueError(f"sample {sample} has no image, audio or text segments to decode")
+    return {"dataset": dataset, "sample_id": sample, "images": written, "audio": sounds_written, "text": texts}
 
 
 # -- ingestion ----------------------------------------------------------------------------
 def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg: RunConfig,
-           text_bundle: str | None = None, visual_bundle: str | None = None):
+           text_bundle: str | None = None, visual_bundle: str | None = None, audio_bundle: str | None = None):
     from tokenloom.platform.ingest import run_ingest  # Ray is imported only by jobs that use it
 
     catalog = open_catalog(home, cfg)
@@ -249,7 +359,16 @@ def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg: RunConfi
             raise ValueError(f"bundle {visual_info.id} is a {visual_info.kind} tokenizer, not a visual one")
         paths["visual"], ids["visual"] = str(visual_path), visual_info.id
         visual_size = int(visual_info.config["num_codes"])
-    vocab = VocabManifest.build(text_info.config["vocab_size"], visual_size=visual_size, bundles=ids)
+    levels = codebook = 0
+    if any(f.modality == "audio" for f in files):
+        audio_path = bundles.resolve(home.bundles, audio_bundle) if audio_bundle else latest_bundle(home, "audio")
+        audio_info = bundles.load_info(audio_path)
+        if audio_info.kind != "audio":
+            raise ValueError(f"bundle {audio_info.id} is a {audio_info.kind} tokenizer, not an audio one")
+        paths["audio"], ids["audio"] = str(audio_path), audio_info.id
+        levels, codebook = int(audio_info.config["levels"]), int(audio_info.config["codebook_size"])
+    vocab = VocabManifest.build(text_info.config["vocab_size"], visual_size=visual_size, audio_levels=levels,
+                                audio_codebook=codebook, bundles=ids)
     vocab.save(home.vocab)
     return run_ingest(inputs, dataset, catalog, vocab, paths, cfg.ingest, lineage={"code_version": code_version()})
 
@@ -355,8 +474,10 @@ def demo_config(tiny: bool = False) -> RunConfig:
     cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads = 128, 4, 2
     cfg.stream.seq_len = 256
     cfg.train.steps, cfg.train.micro_batch_size, cfg.train.warmup_steps = 300, 8, 30
-    v = cfg.visual_tokenizer  # a brief training: the demo shows the path, bench/ shows the quality
-    v.max_minutes, v.max_pixels, v.eval_crops = 1.5, 128 * 128, 4
+    v = cfg.visual_tokenizer  # brief trainings: the demo shows the path, bench/ shows the quality
+    v.max_minutes, v.max_pixels, v.eval_crops = 1.0, 128 * 128, 4
+    a = cfg.audio_tokenizer
+    a.max_minutes, a.eval_seconds = 1.0, 3.0
     if tiny:  # the integration test's size
         cfg.text_tokenizer.vocab_size = 512
         cfg.model.dim, cfg.model.n_layers = 64, 2
@@ -364,6 +485,8 @@ def demo_config(tiny: bool = False) -> RunConfig:
         cfg.train.steps, cfg.train.warmup_steps, cfg.train.micro_batch_size = 30, 5, 4
         v.channels, v.latent_channels, v.vit_dim, v.vit_depth = 8, 32, 32, 1
         v.image_size, v.batch_size, v.max_minutes, v.max_pixels, v.eval_crops = 64, 4, 0.15, 64 * 64, 1
+        a.channels, a.max_channels, a.latent_dim, a.levels, a.codebook_size = 8, 64, 32, 4, 256
+        a.batch_size, a.segment_seconds, a.max_minutes, a.eval_seconds = 4, 0.5, 0.15, 1.0
     return cfg
 
 
@@ -386,15 +509,38 @@ def _demo_visual_bundle(home: Home, cfg: RunConfig, progress: bool) -> dict:
     return {"bundle_id": result.bundle.id, "reused": False, "heldout": result.heldout}
 
 
+def _demo_audio_bundle(home: Home, cfg: RunConfig, progress: bool, tiny: bool) -> dict:
+    """The newest audio bundle in home trained with this recipe, or a brief new training on
+    eSpeak NG speech plus tones and noise."""
+    from dataclasses import asdict as as_dict
+
+    from tokenloom.datasets.speech import sound_clips, speech_clips
+
+    recipe = json.loads(json.dumps(as_dict(cfg.audio_tokenizer)))
+    for path in sorted(home.bundles.glob("audio-*"), key=lambda p: p.stat().st_mtime, reverse=True):
+        info = bundles.load_info(path)
+        if info.config.get("config") == recipe:
+            return {"bundle_id": info.id, "reused": True, "heldout": info.config.get("heldout", {})}
+    train = [wav for wav, _ in speech_clips("train", 24 if tiny else 96)] + sound_clips()
+    held = [wav for wav, _ in speech_clips("heldout", 2 if tiny else 6)]
+    run_name = "demo-audio-" + hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
+    resume = (home.runs / run_name / "checkpoint.pt").is_file()
+    result, _ = train_audio(home, [], cfg, run_name=run_name, resume=resume, progress=progress, clips=(train, held))
+    return {"bundle_id": result.bundle.id, "reused": False, "heldout": result.heldout}
+
+
 def demo(home: Home, cfg: RunConfig | None = None, tiny: bool = False, progress: bool = True) -> dict:
     cfg = cfg or demo_config(tiny)
     cfg.ingest.ray.progress_bars = progress
     t0 = time.perf_counter()
     corpus = write_sample_corpus(home.corpus, max_bytes=400_000 if tiny else 2_000_000)
     write_sample_images(corpus / "images", variants=1 if tiny else 2)
+    write_sample_audio(corpus / "audio", utterances=8 if tiny else 24)
     text_bundle = train_text(home, [corpus], cfg)
     visual = _demo_visual_bundle(home, cfg, progress)
-    result = ingest(home, [corpus], "stdlib-docs", cfg, text_bundle=text_bundle.id, visual_bundle=visual["bundle_id"])
+    audio = _demo_audio_bundle(home, cfg, progress, tiny)
+    result = ingest(home, [corpus], "stdlib-docs", cfg, text_bundle=text_bundle.id, visual_bundle=visual["bundle_id"],
+                    audio_bundle=audio["bundle_id"])
     shutdown_ray()
     snapshot_id, trained = train(home, "stdlib-docs", cfg, progress=progress, run_name="demo")
     return {
@@ -410,6 +556,9 @@ def demo(home: Home, cfg: RunConfig | None = None, tiny: bool = False, progress:
         "visual_tokenizer": visual["bundle_id"],
         "visual_reused": visual["reused"],
         "visual_heldout": visual["heldout"],
+        "audio_tokenizer": audio["bundle_id"],
+        "audio_reused": audio["reused"],
+        "audio_heldout": audio["heldout"],
         "modalities": catalog_stats(home, cfg, result.dataset)["stats"]["modalities"],
         "steps": trained.steps,
         "loss_first": trained.first_loss,

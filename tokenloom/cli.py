@@ -98,6 +98,17 @@ def _setup(home: Path | None, config: Path | None = None, overrides: list[str] |
     return api, api.Home.resolve(home), cfg
 
 
+def _tokenizer_setup(home, config, overrides, section: str, max_minutes: float | None, resume: bool, run):
+    """A tokenizer training's setup: bare `key=value` overrides belong to `section`."""
+    api, home_, cfg = _setup(home, config, [f"{section}.{o}" if "." not in o.split("=")[0] else o
+                                            for o in overrides or []])
+    if max_minutes is not None:
+        getattr(cfg, section).max_minutes = max_minutes
+    if resume and not run:
+        raise ValueError("--resume needs --run NAME (the run folder to continue)")
+    return api, home_, cfg
+
+
 def _when(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -127,6 +138,9 @@ def demo(home: HomeOpt = None, json_out: JsonOpt = False, tiny: Annotated[bool, 
                              f"{'reused' if summary['visual_reused'] else 'trained now'}; held-out PSNR "
                              f"{summary['visual_heldout'].get('psnr', float('nan')):.1f} dB, codebook usage "
                              f"{summary['visual_heldout'].get('usage', float('nan')):.0%})"),
+        ("audio tokenizer", f"{summary['audio_tokenizer']} ("
+                            f"{'reused' if summary['audio_reused'] else 'trained now'}; held-out SI-SDR "
+                            f"{summary['audio_heldout'].get('si_sdr', float('nan')):.1f} dB with all levels)"),
         ("samples by modality", ", ".join(f"{k}: {v['samples']:,} samples / {v['tokens']:,} tokens"
                                           for k, v in summary["modalities"].items())),
         ("model parameters", f"{summary['parameters']:,}"),
@@ -175,12 +189,7 @@ def tokenizer_train_visual(
     home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
 ):
     """Train the dual-path visual tokenizer (CNN + ViT, cross-attention fusion, quantizer) into a bundle."""
-    api, home_, cfg = _setup(home, config, [f"visual_tokenizer.{o}" if o.split("=")[0].count(".") == 0 else o
-                                            for o in overrides or []])
-    if max_minutes is not None:
-        cfg.visual_tokenizer.max_minutes = max_minutes
-    if resume and not run:
-        raise ValueError("--resume needs --run NAME (the run folder to continue)")
+    api, home_, cfg = _tokenizer_setup(home, config, overrides, "visual_tokenizer", max_minutes, resume, run)
     with _quiet_stdout(json_out):
         r, skipped = api.train_visual(home_, images, cfg, heldout=heldout or (), run_name=run, resume=resume,
                                       progress=not json_out)
@@ -219,21 +228,82 @@ def tokenizer_eval_visual(
         console.print(f"  rejected {r['path']}: {r['reason']}")
 
 
+@tokenizer_train_app.command("audio")
+@_user_errors
+def tokenizer_train_audio(
+    audio: Annotated[list[Path], typer.Option("--audio", help="Audio files or folders (.wav, .flac, .ogg).")],
+    heldout: Annotated[list[Path] | None, typer.Option("--heldout", help="Held-out audio for evaluation "
+                                                       "(default: 10% of --audio, chosen by path hash).")] = None,
+    max_minutes: Annotated[float | None, typer.Option("--max-minutes", help="Wall-clock budget "
+                                                      "(default: audio_tokenizer.max_minutes).")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="Run folder name under home/runs; with --resume, "
+                                            "the run to continue.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's checkpoint.")] = False,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
+):
+    """Train the RVQ audio tokenizer (SEANet encoder/decoder, ResidualVQ with quantizer dropout) into a bundle."""
+    api, home_, cfg = _tokenizer_setup(home, config, overrides, "audio_tokenizer", max_minutes, resume, run)
+    with _quiet_stdout(json_out):
+        r, skipped = api.train_audio(home_, audio, cfg, heldout=heldout or (), run_name=run, resume=resume,
+                                     progress=not json_out)
+    doc = {"bundle_id": r.bundle.id, "path": str(r.bundle.path), "levels": r.bundle.config["levels"],
+           "codebook_size": r.bundle.config["codebook_size"], "frame_rate": r.bundle.config["frame_rate"],
+           "parameters": r.parameters, "steps": r.steps, "seconds": round(r.seconds, 1),
+           "audio_seconds_per_second": round(r.seconds_of_audio_per_second, 2), "heldout": r.heldout,
+           "run_dir": r.run_dir, "rejected": [{"path": p, "reason": why} for p, why in skipped]}
+    if json_out:
+        return _emit_json(doc)
+    h = r.heldout
+    console.print(f"audio tokenizer [bold]{r.bundle.id}[/] ({doc['levels']} levels x {doc['codebook_size']} codes, "
+                  f"{doc['frame_rate']:g} frames/s, {r.parameters:,} parameters) at {r.bundle.path}")
+    levels = ", ".join(f"k={k}: {v['si_sdr']:.1f} dB" for k, v in h["by_levels"].items())
+    console.print(f"  {r.steps} steps in {r.seconds:.0f} s; held-out SI-SDR {levels}; mel {h['mel']:.3f}; "
+                  f"usage per level {', '.join(f'{u:.0%}' for u in h['usage'])}; run {r.run_dir}")
+    for path, why in skipped:
+        console.print(f"  rejected {path}: {why}")
+
+
+@tokenizer_eval_app.command("audio")
+@_user_errors
+def tokenizer_eval_audio(
+    bundle: Annotated[str, typer.Option("--bundle", help="Audio bundle id or path.")],
+    audio: Annotated[list[Path], typer.Option("--audio", help="Audio files or folders.")],
+    levels: Annotated[int | None, typer.Option("--levels", help="Decode from the first K levels (default: all).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Folder for spectrograms.png, WAVs, metrics.json.")] = None,
+    home: HomeOpt = None, json_out: JsonOpt = False,
+):
+    """SI-SDR, mel distance, bitrate and codebook usage per level on your audio, with spectrograms and WAVs."""
+    api, home_, _ = _setup(home)
+    doc = api.eval_audio(home_, bundle, audio, levels=levels, out_dir=out)
+    if json_out:
+        return _emit_json(doc)
+    console.print(f"{doc['bundle_id']} on {doc['clips']} files ({doc['seconds']:.1f} s): with {doc['levels']} levels "
+                  f"SI-SDR {doc['si_sdr']:.2f} dB, mel {doc['mel']:.3f}, {doc['bitrate'] / 1000:.1f} kbit/s")
+    for k, v in doc["by_levels"].items():
+        console.print(f"  k={k}: SI-SDR {v['si_sdr']:.2f} dB, mel {v['mel']:.3f}, {v['bitrate'] / 1000:.1f} kbit/s")
+    console.print(f"  codebook usage per level: {', '.join(f'{u:.0%}' for u in doc['usage'])}")
+    console.print(f"  spectrograms and WAVs: {doc['files'].get('spectrograms')}")
+    for r in doc["rejected"]:
+        console.print(f"  rejected {r['path']}: {r['reason']}")
+
+
 @tokenizer_app.command("decode")
 @_user_errors
 def tokenizer_decode(
     dataset: Annotated[str, typer.Option("--dataset")],
     sample: Annotated[str, typer.Option("--sample", help="sample_id of a committed sample.")],
-    out: Annotated[Path, typer.Option("--out", help="Image file to write (several images: FILE-0, FILE-1, ...).")],
+    out: Annotated[Path, typer.Option("--out", help="File to write: PNG for images, WAV for audio "
+                                      "(several: FILE-0, FILE-1, ...).")],
+    levels: Annotated[int | None, typer.Option("--levels", help="Audio: decode from the first K RVQ levels.")] = None,
     at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
     home: HomeOpt = None, json_out: JsonOpt = False, catalog_uri: CatalogUriOpt = None,
 ):
-    """Turn a committed sample's tokens back into images (and its text segments into text)."""
+    """Turn a committed sample's tokens back into images and audio (and its text segments into text)."""
     api, home_, cfg = _setup(home, catalog_uri=catalog_uri)
-    doc = api.decode_sample(home_, cfg, dataset, sample, out, at=at)
+    doc = api.decode_sample(home_, cfg, dataset, sample, out, at=at, levels=levels)
     if json_out:
         return _emit_json(doc)
-    for path in doc["images"]:
+    for path in doc["images"] + doc["audio"]:
         console.print(f"wrote {path}")
     for text in doc["text"]:
         console.print(f"text: {text}", highlight=False)
@@ -247,6 +317,8 @@ def ingest(
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="Text bundle id or path (default: newest).")] = None,
     visual_tokenizer: Annotated[str | None, typer.Option("--visual-tokenizer", help="Visual bundle id or path "
                                                          "(default: newest; used when inputs hold images).")] = None,
+    audio_tokenizer: Annotated[str | None, typer.Option("--audio-tokenizer", help="Audio bundle id or path "
+                                                        "(default: newest; used when inputs hold audio).")] = None,
     home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
     ray_address: Annotated[str | None, typer.Option("--ray-address", help="Ray cluster (default: local).")] = None,
     catalog_uri: CatalogUriOpt = None,
@@ -258,7 +330,8 @@ def ingest(
         cfg.ingest.ray.address = ray_address
     cfg.ingest.ray.progress_bars = not json_out
     with _quiet_stdout(json_out):
-        r = api.ingest(home_, paths, dataset, cfg, text_bundle=tokenizer, visual_bundle=visual_tokenizer)
+        r = api.ingest(home_, paths, dataset, cfg, text_bundle=tokenizer, visual_bundle=visual_tokenizer,
+                       audio_bundle=audio_tokenizer)
     if json_out:
         return _emit_json(r)
     verb = "already committed as" if r.already_committed else "committed"

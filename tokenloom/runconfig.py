@@ -18,6 +18,7 @@ from tokenloom.catalog import CatalogConfig
 from tokenloom.datasets import StreamConfig
 from tokenloom.model import ModelConfig
 from tokenloom.platform.config import IngestConfig, PoolConfig
+from tokenloom.tokenizers.audio.config import AudioTokenizerConfig
 from tokenloom.tokenizers.text import TextTokenizerConfig
 from tokenloom.tokenizers.visual.config import VisualTokenizerConfig
 from tokenloom.trainer import TrainConfig
@@ -29,6 +30,7 @@ class RunConfig:
     ingest: IngestConfig = field(default_factory=IngestConfig)
     text_tokenizer: TextTokenizerConfig = field(default_factory=TextTokenizerConfig)
     visual_tokenizer: VisualTokenizerConfig = field(default_factory=VisualTokenizerConfig)
+    audio_tokenizer: AudioTokenizerConfig = field(default_factory=AudioTokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -15,10 +15,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenloom.datasets import images
+from tokenloom.datasets import audio, images
 
 TEXT_SUFFIXES = {".txt": "text", ".jsonl": "text"}
-ROUTES: dict[str, str] = {**TEXT_SUFFIXES, **{suffix: "image" for suffix in images.IMAGE_SUFFIXES}}
+ROUTES: dict[str, str] = {**TEXT_SUFFIXES, **{suffix: "image" for suffix in images.IMAGE_SUFFIXES},
+                          **{suffix: "audio" for suffix in audio.AUDIO_SUFFIXES}}
+MEDIA_KEYS = ("image", "audio")  # the field a pairs .jsonl record names its media file with
+READS_BYTES = {"text": True, "image": True, "audio": False}  # audio is read by its pool, in blocks
 CAPTION = "caption"  # a caption sidecar: part of its image's sample, read by the image parser, no pool
 REFERENCED = "referenced"  # an image named by a pairs .jsonl: read through that file, never on its own
 UNPOOLED = (CAPTION, REFERENCED)  # sources that count for lineage (the job id) but feed no pool
@@ -55,6 +58,7 @@ class Record:
     payload: str | None  # the text (for an image record: its caption, if any)
     error: str | None  # quarantine reason
     blob: bytes | None = None  # image records: the image file's bytes (decoded on the image pool)
+    media: str | None = None  # audio records: the file the audio pool reads (in blocks, never whole)
 
 
 def sample_id(source: str, record: str) -> str:
@@ -84,7 +88,7 @@ def discover(paths: Iterable[str | os.PathLike]) -> tuple[list[SourceFile], list
             _add(found, file, modality)
     # what image samples read besides their own file: caption sidecars, and the images a pairs
     # file names (those are then part of that file's samples, not samples of their own)
-    for src in [s for s in found.values() if s.modality == "image"]:
+    for src in [s for s in found.values() if s.modality in MEDIA_KEYS]:
         if src.path.lower().endswith(".jsonl"):
             for target in pair_references(Path(src.path)):
                 _add(found, target, REFERENCED, replace=True)
@@ -105,28 +109,34 @@ def _add(found: dict[str, SourceFile], file: Path, modality: str, replace: bool 
 
 def _route(file: Path) -> str | None:
     suffix = file.suffix.lower()
-    if suffix in images.CAPTION_SUFFIXES and images.is_caption_of_image(file):
+    if suffix in images.CAPTION_SUFFIXES and _is_sidecar(file):
         return CAPTION
-    modality = ROUTES.get(suffix)
-    if suffix == ".jsonl" and _is_pairs_file(file):
-        return "image"
-    return modality
+    if suffix == ".jsonl":
+        return _pairs_kind(file) or ROUTES[suffix]
+    return ROUTES.get(suffix)
 
 
-def resolve_reference(folder: Path, name: object) -> tuple[Path | None, str | None]:
-    """The image file a pairs record names: a relative path inside the pairs file's folder
-    (no absolute paths, no escaping with `..` or links), an existing regular file of bounded size."""
+def _is_sidecar(path: Path) -> bool:
+    """A `.txt`/`.caption` beside an image or audio file of the same stem: its caption or transcript."""
+    media = (*images.IMAGE_SUFFIXES, *audio.AUDIO_SUFFIXES)
+    return any(path.with_suffix(spelled).is_file() for suffix in media for spelled in (suffix, suffix.upper()))
+
+
+def resolve_reference(folder: Path, name: object, kind: str = "image") -> tuple[Path | None, str | None]:
+    """The media file a pairs record names: a relative path inside the pairs file's folder
+    (no absolute paths, no escaping with `..` or links), an existing regular file (images: of
+    bounded size, since they are read whole)."""
     if not isinstance(name, str) or not name.strip():
-        return None, "field 'image' is not a path"
+        return None, f"field '{kind}' is not a path"
     if Path(name).is_absolute():
-        return None, f"image path must be relative to the pairs file's folder: {name}"
+        return None, f"{kind} path must be relative to the pairs file's folder: {name}"
     base = folder.resolve()
     target = (base / name).resolve()
     if not target.is_relative_to(base):
-        return None, f"image path leaves the pairs file's folder: {name}"
+        return None, f"{kind} path leaves the pairs file's folder: {name}"
     if not target.is_file():
-        return None, f"image file not found: {name}"
-    if target.stat().st_size > MAX_IMAGE_BYTES:
+        return None, f"{kind} file not found: {name}"
+    if kind == "image" and target.stat().st_size > MAX_IMAGE_BYTES:
         return None, f"image file larger than {MAX_IMAGE_BYTES >> 20} MiB: {name}"
     return target, None
 
@@ -146,11 +156,16 @@ def _first_record(path: Path) -> object:
     return None
 
 
-def _is_pairs_file(path: Path) -> bool:
-    """A .jsonl is a pairs file when its first record names an existing image beside it (reads
-    64 KiB at most); a text corpus whose records carry other `image` metadata stays text."""
+def _pairs_kind(path: Path) -> str | None:
+    """"image" or "audio" when the first record of a .jsonl names an existing media file beside
+    it (reads 64 KiB at most): a pairs file for that pool. A text corpus whose records carry
+    other `image`/`audio` metadata (URLs, ids) stays text."""
     first = _first_record(path)
-    return isinstance(first, dict) and resolve_reference(path.parent, first.get("image"))[0] is not None
+    if isinstance(first, dict):
+        for key in MEDIA_KEYS:
+            if key in first and resolve_reference(path.parent, first[key], key)[0] is not None:
+                return key
+    return None
 
 
 def pair_references(path: Path) -> list[Path]:
@@ -162,10 +177,11 @@ def pair_references(path: Path) -> list[Path]:
             obj = json.loads(raw) if raw.strip() else None
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue
-        if isinstance(obj, dict) and "image" in obj:
-            target, _ = resolve_reference(path.parent, obj["image"])
-            if target is not None:
-                out.append(target)
+        for key in MEDIA_KEYS:
+            if isinstance(obj, dict) and key in obj:
+                target, _ = resolve_reference(path.parent, obj[key], key)
+                if target is not None:
+                    out.append(target)
     return out
 
 
@@ -246,7 +262,7 @@ def parse_image_file(path: str, data: bytes) -> Iterator[Record]:
     "text": "<caption>"}`; a line without an image is a text-only sample of the same file.
     """
     if path.lower().endswith(".jsonl"):
-        yield from _parse_pairs(path, data)
+        yield from _parse_pairs(path, data, "image")
         return
     caption, problem = None, None
     sidecar = images.caption_sidecar(Path(path))
@@ -258,7 +274,8 @@ def parse_image_file(path: str, data: bytes) -> Iterator[Record]:
     yield _image_record(sample_id(path, "file"), path, "file", data, caption)
 
 
-def _parse_pairs(path: str, data: bytes) -> Iterator[Record]:
+def _parse_pairs(path: str, data: bytes, kind: str) -> Iterator[Record]:
+    """Records of a pairs .jsonl routed to the `kind` pool ("image" or "audio")."""
     folder = Path(path).parent
     for number, raw_line in enumerate(data.split(b"\n"), start=1):
         if not raw_line.strip():
@@ -274,23 +291,28 @@ def _parse_pairs(path: str, data: bytes) -> Iterator[Record]:
                 problem = f"malformed JSON: {exc.msg} at column {exc.colno}"
         if problem is None and not isinstance(obj, dict):
             problem = "record is not a JSON object"
+        if problem is None and any(k in obj for k in MEDIA_KEYS if k != kind):
+            problem = f"a pairs file holds one kind of media: this one's first record names an {kind}"
         if problem:
-            yield Record(sid, path, where, "image", None, problem)
+            yield Record(sid, path, where, kind, None, problem)
             continue
         caption = obj.get("text") if obj.get("text") is not None else obj.get("caption")
         if caption is not None and not isinstance(caption, str):
-            yield Record(sid, path, where, "image", None, "field 'text' is not a string")
+            yield Record(sid, path, where, kind, None, "field 'text' is not a string")
             continue
         caption = caption.strip() if caption else None
-        if "image" not in obj:
+        if kind not in obj:
             if caption:
                 yield Record(sid, path, where, "text", caption, None)
             else:
-                yield Record(sid, path, where, "image", None, "record has no image and no text")
+                yield Record(sid, path, where, kind, None, f"record has no {kind} and no text")
             continue
-        target, problem = resolve_reference(folder, obj["image"])
+        target, problem = resolve_reference(folder, obj[kind], kind)
         if problem:
-            yield Record(sid, path, where, "image", None, problem)
+            yield Record(sid, path, where, kind, None, problem)
+            continue
+        if kind == "audio":
+            yield Record(sid, path, where, "audio", caption, None, media=str(target))
             continue
         try:
             blob = target.read_bytes()
@@ -300,7 +322,25 @@ def _parse_pairs(path: str, data: bytes) -> Iterator[Record]:
         yield _image_record(sid, path, where, blob, caption)
 
 
-PARSERS = {"text": parse_text_file, "image": parse_image_file}
+def parse_audio_file(path: str, data: bytes) -> Iterator[Record]:
+    """An audio file (with its transcript sidecar, if any) or a .jsonl of audio-text pairs
+    (`{"audio": "<relative path>", "text": "<transcript>"}`). The audio itself is read by the
+    audio pool, in blocks; `data` is the bytes of a pairs file (unused for audio files)."""
+    if path.lower().endswith(".jsonl"):
+        yield from _parse_pairs(path, data, "audio")
+        return
+    transcript, problem = None, None
+    sidecar = images.caption_sidecar(Path(path))
+    if sidecar is not None:
+        transcript, problem = images.read_caption(sidecar)
+    if problem:
+        yield Record(sample_id(path, "file"), path, "file", "audio", None,
+                     f"{problem.replace('caption', 'transcript')}: {sidecar.name}")
+        return
+    yield Record(sample_id(path, "file"), path, "file", "audio", transcript, None, media=path)
+
+
+PARSERS = {"text": parse_text_file, "image": parse_image_file, "audio": parse_audio_file}
 
 
 def parse_file(path: str, modality: str, data: bytes) -> Iterator[Record]:

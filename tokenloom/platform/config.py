@@ -46,6 +46,7 @@ class IngestConfig:
         # one GPU per actor on GPU nodes; on CPU-only machines a CPU pool with its own label that
         # scales apart from the text pool
         "image": PoolConfig(resource_label="image_pool", num_gpus=1.0, min_actors=1, max_actors=2, batch_size=16),
+        "audio": PoolConfig(resource_label="audio_pool", min_actors=1, max_actors=2, batch_size=4),
     })
     read_tasks: int = 0  # 0 = let Ray Data choose
 

@@ -86,7 +86,8 @@ def ensure_ray(config: IngestConfig) -> None:
 
 
 RECORD_SCHEMA = pa.schema([(n, pa.string()) for n in ("sample_id", "source", "record", "modality", "payload", "error")]
-                          + [("blob", pa.large_binary())])  # image file bytes, decoded on the image pool
+                          + [("blob", pa.large_binary()),  # image file bytes, decoded on the image pool
+                             ("media", pa.string())])  # audio file path, read in blocks on the audio pool
 
 
 def _parse_batch(batch: dict) -> pa.Table:
@@ -99,12 +100,20 @@ def _parse_batch(batch: dict) -> pa.Table:
 
 
 def _read_branch(files: list[sources.SourceFile], config: IngestConfig) -> ray.data.Dataset:
-    paths = [f.path for f in files]
     modality = files[0].modality
     kwargs = {"override_num_blocks": config.read_tasks} if config.read_tasks else {}
-    # read and parse fuse into one task (same resources), so each file is handled by one
-    # worker process: on small machines process count, not compute, is the overhead to avoid
-    ds = ray.data.read_binary_files(paths, include_paths=True, **kwargs)
+    # audio files are read by their pool, in blocks: only their paths travel (pairs files are read)
+    whole = [f.path for f in files if sources.READS_BYTES[modality] or f.path.lower().endswith(".jsonl")]
+    whole_set = set(whole)
+    by_path = [f.path for f in files if f.path not in whole_set]
+    parts = []
+    if whole:
+        # read and parse fuse into one task (same resources), so each file is handled by one
+        # worker process: on small machines process count, not compute, is the overhead to avoid
+        parts.append(ray.data.read_binary_files(whole, include_paths=True, **kwargs))
+    if by_path:
+        parts.append(ray.data.from_items([{"path": p, "bytes": b""} for p in by_path]))
+    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     return ds.map_batches(lambda b: _parse_batch(b | {"modality": [modality] * len(b["path"])}),
                           batch_format="numpy")
 

@@ -160,4 +160,73 @@ class ImagePoolWorker(TextPoolWorker):
         return _output(batch, token_lists, segments, errors)
 
 
-WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker}
+class AudioPoolWorker(TextPoolWorker):
+    """RVQ-tokenize audio files with their transcripts, into one sample each.
+
+    Layout: `<bos> <boa> | frames x L codes, frame-major (level 1 first) | <eoa> transcript <eos>`,
+    segments text (causal) | audio (window, grid [frames, L]) | text (causal). A level-l code c
+    becomes the id `audio[l].start + c` of the manifest. Files are read in blocks of the bundle's
+    `chunk_seconds`, downmixed, resampled to 16 kHz and encoded block by block, so an hours-long
+    file costs one block of memory; unreadable files, zero-length audio, rates out of range and
+    NaN/infinite samples are quarantined with the reason.
+    """
+
+    needs = ("text", "audio")
+
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict):
+        import torch
+
+        from tokenloom.tokenizers.audio import load_audio
+
+        super().__init__(bundle_paths, vocab)
+        manifest = VocabManifest.from_dict(vocab)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            torch.set_num_threads(1)
+        self.model = load_audio(bundle_paths["audio"]).to(self.device)
+        levels, size = self.model.levels, self.model.cfg.codebook_size
+        if len(manifest.audio) != levels or any(r.size < size for r in manifest.audio):
+            raise ValueError(f"audio bundle has {levels} levels of {size} codes but the manifest's audio ranges are "
+                             f"{[(r.start, r.stop) for r in manifest.audio]}")
+        self.level_offsets = np.array([r.start for r in manifest.audio], dtype=np.int64)
+        self.boa, self.eoa = manifest.specials["<boa>"], manifest.specials["<eoa>"]
+
+    def _encode(self, path: str) -> np.ndarray:
+        from tokenloom.datasets.audio import probe, read_blocks
+        from tokenloom.tokenizers.audio import encode_long
+
+        info = probe(path)
+        return encode_long(self.model, read_blocks(path, self.model.cfg.chunk_seconds), info.sample_rate)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        from tokenloom.datasets.audio import AudioProblem
+
+        errors = batch.column("error").to_pylist()
+        payloads = batch.column("payload").to_pylist()
+        media = batch.column("media").to_pylist()
+        token_lists: list[np.ndarray | None] = [None] * batch.num_rows
+        segments: list[list[dict] | None] = [None] * batch.num_rows
+        codes: dict[int, np.ndarray] = {}
+        for i, err in enumerate(errors):
+            if err is None and media[i] is not None:
+                try:
+                    codes[i] = self._encode(media[i])
+                except AudioProblem as exc:
+                    errors[i] = str(exc)
+        good = [i for i, err in enumerate(errors) if err is None]
+        texts = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
+        for i, text in zip(good, texts, strict=True):
+            if i not in codes:  # a text-only record of a pairs file
+                token_lists[i] = _text_tokens(text, self.offset, self.bos, self.eos)
+                segments[i] = [_segment("text", 0, len(token_lists[i]))]
+                continue
+            frames, levels = codes[i].shape
+            audio_ids = (codes[i] + self.level_offsets[None, :]).reshape(-1).astype(np.int32)  # frame-major
+            tail = _text_tokens(text, self.offset, self.eoa, self.eos)  # <eoa> transcript <eos>
+            token_lists[i] = np.concatenate([np.array([self.bos, self.boa], dtype=np.int32), audio_ids, tail])
+            segments[i] = [_segment("text", 0, 2), _segment("audio", 2, frames * levels, (frames, levels), "window"),
+                           _segment("text", 2 + frames * levels, len(tail))]
+        return _output(batch, token_lists, segments, errors)
+
+
+WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker, "audio": AudioPoolWorker}

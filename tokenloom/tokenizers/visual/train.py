@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_model, save_model
 
 from tokenloom.tokenizers import bundle
+from tokenloom.tokenizers.loop import run_training
 from tokenloom.tokenizers.visual.model import (
     VisualTokenizer,
     VisualTokenizerConfig,
@@ -32,7 +32,6 @@ from tokenloom.tokenizers.visual.model import (
 
 FORMAT = "tokenloom.visual/1"
 WEIGHTS = "model.safetensors"
-CHECKPOINT = "checkpoint.pt"
 
 
 # -- images as tensors --------------------------------------------------------------------
@@ -177,7 +176,9 @@ def save_grid(originals: list[torch.Tensor], recons: list[torch.Tensor], path: P
     from torchvision.utils import save_image
 
     tiles = []
-    for original, recon in list(zip(originals, recons, strict=True))[:max_pairs]:
+    pairs = list(zip(originals, recons, strict=True))
+    picks = sorted({round(i * (len(pairs) - 1) / max(1, max_pairs - 1)) for i in range(min(len(pairs), max_pairs))})
+    for original, recon in (pairs[i] for i in picks):  # spread over the whole set
         for image in (original, recon):
             h, w = image.shape[1:]
             scale = cell / max(h, w)
@@ -209,6 +210,7 @@ def publish_bundle(model: VisualTokenizer, store: Path, heldout: dict | None = N
         "config": asdict(model.cfg),
         "extra_cnn_blocks": model.extra_cnn_blocks,
         "num_codes": model.num_codes,
+        "code_range": [0, model.num_codes],  # local ids; the vocabulary manifest places them in the unified space
         "factor": model.cfg.factor,
         "grid_order": "raster",
         "parameters": parameter_count(model),
@@ -242,26 +244,6 @@ class VisualTrainResult:
     parameters: int
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    if path.is_file():
-        records = [json.loads(line) for line in path.read_text().splitlines() if line]
-        kept = [json.dumps(r) for r in records if r["step"] < step or (r["step"] == step and "loss" in r)]
-        path.write_text("".join(line + "\n" for line in kept))
-
-
-_BUDGET_KEYS = ("steps", "max_minutes", "eval_every_s", "checkpoint_every_s", "threads")
-
-
-def _recipe(config: dict) -> dict:
-    """What must match to resume: everything but the budgets and bookkeeping intervals."""
-    return {k: v for k, v in json.loads(json.dumps(config)).items() if k not in _BUDGET_KEYS}
-
-
-def _lr(cfg: VisualTokenizerConfig, step: int, progress: float) -> float:
-    warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-    return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
 def train_visual(train_photos: list[np.ndarray], heldout_photos: list[np.ndarray], cfg: VisualTokenizerConfig,
                  store: Path, run_dir: Path, *, extra_cnn_blocks: int = 0, resume: bool = False,
                  progress: bool = True, stop_after: int = 0, device: str | None = None) -> VisualTrainResult:
@@ -270,96 +252,37 @@ def train_visual(train_photos: list[np.ndarray], heldout_photos: list[np.ndarray
     `resume` continues from the run folder's checkpoint (same recipe; the step and time budgets
     may differ). `stop_after` ends this invocation after that many steps, as an interruption
     would, without changing the schedule (tests use it to check resume)."""
-    from tqdm.auto import tqdm
-
     cfg.validate()
     if not heldout_photos:
         raise ValueError("no held-out images: evaluation needs at least one")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = VisualTokenizer(cfg, extra_cnn_blocks).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     sampler = CropSampler(train_photos, cfg.image_size, cfg.seed)
     eval_set = heldout_crops(heldout_photos, cfg.eval_crops, cfg.image_size, cfg.seed + 1)
-    step, elapsed = 0, 0.0
-    ckpt_path = run_dir / CHECKPOINT
-    if resume and not ckpt_path.is_file():
-        raise ValueError(f"nothing to resume: {run_dir} has no {CHECKPOINT}")
-    if not resume and ckpt_path.is_file():
-        raise ValueError(f"{run_dir} already holds a training run: resume it or choose another run folder")
-    if resume:
-        state = torch.load(ckpt_path, weights_only=True, map_location=device)
-        if _recipe(state["config"]) != _recipe(asdict(cfg)) or state["extra_cnn_blocks"] != extra_cnn_blocks:
-            raise ValueError(f"checkpoint in {run_dir} was made with another config; use a new run directory")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        sampler.load_state(state["sampler"].cpu())
-        step, elapsed = int(state["step"]), float(state["elapsed"])
-        _truncate_metrics(run_dir / "metrics.jsonl", step)  # steps after the checkpoint are redone
-    budget = cfg.max_minutes * 60.0
+    grids: dict[str, str | None] = {}
 
-    def checkpoint() -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state(),
-                    "step": step, "elapsed": elapsed, "config": json.loads(json.dumps(asdict(cfg))),
-                    "extra_cnn_blocks": extra_cnn_blocks}, tmp)
-        tmp.replace(ckpt_path)
-
-    metrics = (run_dir / "metrics.jsonl").open("a")
-    bar = tqdm(total=round(budget), initial=min(round(elapsed), round(budget)), unit="s", disable=not progress,
-               desc=f"visual tokenizer ({cfg.arch}, {cfg.quantizer})")
-    start, last_ckpt, last_eval, images_seen = time.perf_counter() - elapsed, elapsed, elapsed, 0
-    run_start_elapsed = elapsed
-    model.train()
-    first_step = step
-    while step < cfg.steps and elapsed < budget and not (stop_after and step - first_step >= stop_after):
-        batch = sampler.batch(cfg.batch_size).to(device, non_blocking=True)
-        lr = _lr(cfg, step, max(step / cfg.steps, elapsed / budget))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # bf16 autocast: always on CUDA; on CPU only when asked (slower on AVX2-only CPUs)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16_autocast or device.type == "cuda"):
-            recon, _, aux = model(batch)
+    def loss_fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        recon, _, aux = model(batch)
         recon = recon.float()
         mse = F.mse_loss(recon, batch)
-        loss = mse + 0.2 * F.l1_loss(recon, batch) + aux
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        images_seen += batch.shape[0]
-        now = time.perf_counter() - start
-        bar.update(min(round(now), round(budget)) - bar.n)
-        elapsed = now
         train_psnr = -10 * math.log10(max(float(mse.detach()), 1e-10))
-        loss_value = float(loss.detach())
-        bar.set_postfix(step=step, loss=f"{loss_value:.4f}", psnr=f"{train_psnr:.1f}")
-        record = {"step": step, "elapsed": round(elapsed, 2), "loss": loss_value, "train_psnr": train_psnr, "lr": lr}
-        if elapsed - last_eval >= cfg.eval_every_s:
-            ev = evaluate(model, eval_set, grid_path=run_dir / f"eval-step{step:06d}.png")
-            record.update(heldout_psnr=ev.psnr, heldout_ssim=ev.ssim, usage=ev.usage, perplexity=ev.perplexity)
-            last_eval = elapsed
-            model.train()
-        metrics.write(json.dumps(record) + "\n")
-        if elapsed - last_ckpt >= cfg.checkpoint_every_s:
-            checkpoint()
-            last_ckpt = elapsed
-    bar.close()
-    checkpoint()
-    final = evaluate(model, eval_set, grid_path=run_dir / "eval-final.png")
-    metrics.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "heldout_psnr": final.psnr,
-                              "heldout_ssim": final.ssim, "usage": final.usage, "perplexity": final.perplexity}) + "\n")
-    metrics.close()
-    heldout = {k: v for k, v in final.to_dict().items() if k not in ("per_image", "grid")}
-    info = publish_bundle(model, store, heldout)
-    run_seconds = elapsed - run_start_elapsed
-    result = VisualTrainResult(info, step, elapsed, images_seen / max(run_seconds, 1e-9), heldout, str(run_dir),
+        return mse + 0.2 * F.l1_loss(recon, batch) + aux, {"train_psnr": train_psnr}
+
+    def evaluate_fn(tag: str) -> dict:
+        ev = evaluate(model, eval_set, grid_path=run_dir / f"eval-{tag}.png")
+        grids[tag] = ev.grid
+        return {k: v for k, v in ev.to_dict().items() if k not in ("per_image", "grid")}
+
+    out = run_training(model, cfg, run_dir, sampler, loss_fn, evaluate_fn, device=device,
+                       identity={"extra_cnn_blocks": extra_cnn_blocks}, resume=resume, progress=progress,
+                       stop_after=stop_after, desc=f"visual tokenizer ({cfg.arch}, {cfg.quantizer})")
+    info = publish_bundle(model, store, out.final)
+    result = VisualTrainResult(info, out.steps, out.elapsed, out.items_per_second, out.final, str(run_dir),
                                parameter_count(model))
     (run_dir / "summary.json").write_text(json.dumps({**asdict(result), "bundle": info.id,
-                                                      "grid": final.grid}, indent=2, default=str))
+                                                      "grid": grids.get("final")}, indent=2, default=str))
     return result

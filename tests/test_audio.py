@@ -1,0 +1,149 @@
+"""The RVQ audio tokenizer: shapes, levels, bundles, resume, chunked encoding, bad audio, speech."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from tokenloom.datasets.audio import AudioProblem, probe, read_blocks
+from tokenloom.datasets.speech import speech_clips, synthesize, tone, write_bad_audio, write_odd_audio
+from tokenloom.tokenizers.audio import (
+    AudioTokenizer,
+    AudioTokenizerConfig,
+    encode_long,
+    evaluate,
+    load_audio,
+    publish_bundle,
+    to_mono_16k,
+    train_audio,
+)
+
+TINY = AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=4, codebook_size=32, code_dim=4,
+                            batch_size=2, segment_seconds=0.25, warmup_steps=1, max_minutes=1000.0,
+                            eval_every_s=1e9, checkpoint_every_s=1e9, eval_seconds=1.0)
+
+
+def ready(model: AudioTokenizer) -> AudioTokenizer:
+    model.init_codebook(torch.randn(4, 1, 8000, generator=torch.Generator().manual_seed(0)) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def speech():
+    clips = speech_clips("train", 4)
+    return [c for c, _ in clips], [c for c, _ in speech_clips("heldout", 2)]
+
+
+@pytest.mark.parametrize("frame_rate,hop", [(50.0, 320), (25.0, 640), (12.5, 1280)])
+def test_encode_decode_shapes_per_frame_rate(frame_rate, hop):
+    torch.manual_seed(0)
+    model = AudioTokenizer(replace(TINY, frame_rate=frame_rate))
+    x = torch.randn(2, 1, 5000) * 0.1
+    with pytest.raises(ValueError, match="not initialized"):
+        model.eval().encode(x)
+    ready(model)
+    codes = model.encode(x)
+    frames = -(-5000 // hop)
+    assert codes.shape == (2, frames, 4) and codes.dtype == torch.long
+    assert torch.equal(codes, model.encode(x)), "encoding is deterministic"
+    assert int(codes.min()) >= 0 and int(codes.max()) < 32
+    for k in (1, 2, 3, 4):  # any first-k levels decode
+        assert model.decode(codes, k).shape == (2, 1, frames * hop)
+    with pytest.raises(ValueError, match="levels must be 1..4"):
+        model.decode(codes, 5)
+    with pytest.raises(ValueError, match="mono"):
+        model.encode(torch.randn(2, 2, 5000))
+
+
+def test_fewer_levels_decode_the_prefix_of_the_codes():
+    model = ready(AudioTokenizer(TINY))
+    x = torch.randn(1, 1, 4000) * 0.1
+    codes = model.encode(x)
+    one = model.decode(codes, 1)
+    assert torch.equal(one, model.decode(codes[..., :1])), "k levels = the first k columns"
+    assert not torch.equal(one, model.decode(codes, 4)), "later levels add detail"
+
+
+def test_bundle_round_trip_gives_identical_codes(tmp_path):
+    torch.manual_seed(3)
+    with pytest.raises(ValueError, match="never initialized"):
+        publish_bundle(AudioTokenizer(TINY), tmp_path)
+    model = ready(AudioTokenizer(TINY))
+    info = publish_bundle(model, tmp_path)
+    assert info.id.startswith("audio-") and info.config["levels"] == 4 and len(info.config["code_ranges"]) == 4
+    loaded = load_audio(info.path)
+    x = torch.from_numpy(tone((220.0, 330.0), 0.5))[None, None]
+    assert torch.equal(model.encode(x), loaded.encode(x))
+    assert torch.equal(model.decode(model.encode(x), 2), loaded.decode(loaded.encode(x), 2))
+
+
+def test_training_improves_and_resume_is_exact(tmp_path, speech):
+    cfg = replace(TINY, steps=8)
+    train, held = speech
+    store = tmp_path / "bundles"
+    full = train_audio(train, held, cfg, store, tmp_path / "full", progress=False, device="cpu")
+    assert full.steps == 8 and set(full.heldout["by_levels"]) == {1, 2, 4}
+    lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in lines if "loss" in r]
+    assert losses[-1] < losses[0], "the loss falls"
+    assert (tmp_path / "full" / "eval-final" / "spectrograms.png").stat().st_size > 5000
+    assert len(list((tmp_path / "full" / "eval-final").glob("*.wav"))) == 4
+    run = tmp_path / "run"
+    train_audio(train, held, cfg, store, run, progress=False, stop_after=3, device="cpu")
+    resumed = train_audio(train, held, cfg, store, run, resume=True, progress=False, device="cpu")
+    assert resumed.steps == 8 and resumed.bundle.id == full.bundle.id, "resume continues exactly"
+
+
+def test_chunked_encoding_of_a_long_file_has_every_frame(tmp_path):
+    model = ready(AudioTokenizer(TINY))
+    path = tmp_path / "long.wav"
+    sf.write(path, np.stack([tone((200.0,), 7.3, 44_100)] * 2, axis=1), 44_100, subtype="PCM_16")
+    blocks = list(read_blocks(path, 0.7))
+    assert max(len(b) for b in blocks) == 30_870, "memory is bounded by the block (0.7 s in whole 441-sample units)"
+    codes = encode_long(model, read_blocks(path, 0.7), probe(path).sample_rate)
+    assert codes.shape == (-(-int(7.3 * 16_000) // 320), 4)
+    whole = model.encode(torch.from_numpy(to_mono_16k(sf.read(path, dtype="float32")[0], 44_100))[None, None])[0]
+    assert (codes[:, 0] == whole[:, 0].numpy()).mean() > 0.8, "chunking changes codes only near the seams"
+
+
+def test_evaluate_reports_every_level_count(tmp_path):
+    model = ready(AudioTokenizer(replace(TINY, levels=3)))
+    clips = [torch.from_numpy(tone((440.0,), 0.6))[None], torch.from_numpy(tone((300.0, 500.0), 0.4))[None]]
+    ev = evaluate(model, clips, tmp_path / "eval", levels=3)
+    assert sorted(ev.by_levels) == [1, 2, 3] and ev.clips == 2 and len(ev.usage) == 3
+    assert ev.by_levels[2]["bitrate"] == 50 * 2 * 5
+    assert (tmp_path / "eval" / "spectrograms.png").is_file()
+    # SI-SDR is a real measurement: the signal against itself scores far above a reconstruction
+    from torchmetrics.functional.audio import scale_invariant_signal_distortion_ratio as si_sdr
+
+    assert float(si_sdr(clips[0], clips[0])) > 50 > ev.si_sdr
+
+
+def test_bad_audio_gives_reasons_and_odd_audio_is_normalized(tmp_path):
+    for name, reason in write_bad_audio(tmp_path / "bad").items():
+        with pytest.raises(AudioProblem) as caught:
+            list(read_blocks(tmp_path / "bad" / name, 1.0))
+        assert str(caught.value).startswith(reason), (name, str(caught.value))
+    odd = write_odd_audio(tmp_path / "odd")
+    for name in odd:
+        info = probe(tmp_path / "odd" / name)
+        mono = np.concatenate([to_mono_16k(b, info.sample_rate) for b in read_blocks(tmp_path / "odd" / name, 10)])
+        assert abs(len(mono) - 16_000) <= 2, name  # 1 s at any rate and channel count -> 16,000 samples
+        assert np.isfinite(mono).all() and np.abs(mono).max() <= 1.0
+    with pytest.raises(AudioProblem, match="sample rate 4000 Hz outside"):
+        sf.write(tmp_path / "low.wav", tone((100.0,), 0.5, 4000), 4000)
+        probe(tmp_path / "low.wav")
+
+
+def test_speech_is_synthesized_offline():
+    a, rate = synthesize("Tokens from speech.", "en")
+    b, _ = synthesize("Tokens from speech.", "en")
+    assert rate == 22_050 and len(a) > rate // 2 and abs(len(a) - len(b)) < rate // 20  # eSpeak varies by ms
+    assert np.abs(a.astype(np.float32)).max() > 1000, "audible"
+    with pytest.raises(ValueError, match="no voice"):
+        synthesize("x", "no-such-voice")

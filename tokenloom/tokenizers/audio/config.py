@@ -1,0 +1,74 @@
+"""Configuration of the RVQ audio tokenizer (no torch import: the run config reads it cheaply)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# encoder strides per frame rate at 16 kHz: their product is the hop (samples per frame)
+STRIDES = {50.0: (4, 4, 4, 5), 25.0: (4, 4, 5, 8), 12.5: (4, 5, 8, 8)}
+
+
+@dataclass
+class AudioTokenizerConfig:
+    """Architecture, quantizer and training recipe of an audio tokenizer bundle."""
+
+    sample_rate: int = 16_000  # every input is resampled to this and downmixed to mono
+    frame_rate: float = 50.0  # frames per second: 50, 25 or 12.5
+    channels: int = 16  # encoder width after the first convolution; doubles per stride
+    max_channels: int = 256
+    latent_dim: int = 128
+    levels: int = 8  # RVQ levels L: codes per frame
+    codebook_size: int = 1024
+    code_dim: int = 8  # low-dimensional factorized codebook lookup per level
+    quantizer_dropout: bool = True  # train with a random number of levels so any first-k decodes
+    dead_code: int = 2  # codes whose EMA cluster size falls below this are re-seeded
+    # training
+    segment_seconds: float = 1.0
+    batch_size: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    l1_weight: float = 1.0  # time-domain L1 (weights the waveform match SI-SDR measures)
+    mel_weight: float = 1.0  # multi-scale log-mel distance
+    steps: int = 1_000_000  # upper bound; max_minutes usually ends training first
+    max_minutes: float = 10.0
+    eval_every_s: float = 120.0
+    checkpoint_every_s: float = 60.0
+    eval_seconds: float = 4.0  # held-out clips are cut to at most this long
+    seed: int = 0
+    threads: int = 0
+    bf16_autocast: bool = False  # off by default: slower on AVX2-only CPUs (bench_cpu_matmul)
+    # ingestion
+    chunk_seconds: float = 30.0  # long files are read, resampled and encoded this much at a time
+
+    def validate(self) -> None:
+        if self.frame_rate not in STRIDES:
+            raise ValueError(f"audio_tokenizer.frame_rate must be one of {sorted(STRIDES)}, got {self.frame_rate}")
+        if self.sample_rate != 16_000:
+            raise ValueError(f"audio_tokenizer.sample_rate must be 16000 (the strides assume it), got {self.sample_rate}")
+        if not 1 <= self.levels <= 32 or self.codebook_size < 2:
+            raise ValueError("audio_tokenizer.levels must be 1..32 and codebook_size >= 2")
+        if self.segment_seconds * self.frame_rate < 2 or self.chunk_seconds * self.frame_rate < 1:
+            raise ValueError("audio_tokenizer.segment_seconds and chunk_seconds must hold whole frames")
+        for name in ("channels", "max_channels"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"audio_tokenizer.{name} must be positive, got {value}")
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return STRIDES[self.frame_rate]
+
+    @property
+    def hop(self) -> int:
+        """Samples per frame."""
+        out = 1
+        for s in self.strides:
+            out *= s
+        return out
+
+    def bitrate(self, levels: int | None = None) -> float:
+        """Bits per second with the first `levels` levels (all by default)."""
+        import math
+
+        return self.frame_rate * (levels or self.levels) * math.log2(self.codebook_size)
