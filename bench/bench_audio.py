@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,12 +29,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "audio"))
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--set", action="append", default=[], help="audio_tokenizer key=value (repeatable)")
     args = p.parse_args()
 
     import torch
     import torchaudio
 
     from tokenloom.datasets.speech import sound_clips, speech_clips
+    from tokenloom.runconfig import _coerce
     from tokenloom.tokenizers.audio import AudioTokenizerConfig, evaluate, load_audio, train_audio
     from tokenloom.tokenizers.audio.train import heldout_clips
 
@@ -46,6 +49,12 @@ def main() -> None:
           f"{sum(len(w) for w in held) / 16000:.0f} s held out in {time.perf_counter() - t:.0f} s", flush=True)
     cfg = AudioTokenizerConfig(max_minutes=args.minutes, threads=args.threads,
                                eval_every_s=max(60.0, args.minutes * 60 / 5))
+    hints = typing.get_type_hints(AudioTokenizerConfig)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in hints:
+            raise SystemExit(f"unknown audio_tokenizer key {key!r}")
+        setattr(cfg, key, _coerce(value, hints[key], key))
     result = train_audio(train, held, cfg, out / "bundles", out / "run", resume=args.resume, progress=True)
 
     torch.set_num_threads(1)

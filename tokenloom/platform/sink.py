@@ -114,7 +114,7 @@ class ShardSink(Datasink):
             schema=SHARD_SCHEMA,
         )
         reasons = validate_shard_rows(shards, self.vocab_size)
-        valid = pa.array([r is None for r in reasons])
+        valid = pa.array([r is None for r in reasons], type=pa.bool_())  # typed: a block may hold no candidates
         rejected = [(i, r) for i, r in enumerate(reasons) if r is not None]
         upstream = block.filter(pc.invert(ok))
         bad = pa.Table.from_pydict(

@@ -30,6 +30,7 @@ class AudioTokenizerConfig:
     warmup_steps: int = 50
     l1_weight: float = 1.0  # time-domain L1 (weights the waveform match SI-SDR measures)
     mel_weight: float = 1.0  # multi-scale log-mel distance
+    sisdr_weight: float = 0.3  # negative SI-SDR (dB / 10) of segments with sound: teaches phase, which L1 + mel do not (bench/RESULTS.md)
     steps: int = 1_000_000  # upper bound; max_minutes usually ends training first
     max_minutes: float = 10.0
     eval_every_s: float = 120.0

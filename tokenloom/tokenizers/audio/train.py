@@ -2,8 +2,9 @@
 
 Training runs on random segments of the training clips for a wall-clock budget (the shared
 loop in `tokenizers/loop.py`: cosine schedule, checkpoints, exact resume, held-out
-evaluations). Losses: multi-scale log-mel distance (torchaudio), time-domain L1 and the RVQ
-commitment loss; no adversarial loss (see bench/RESULTS.md). Evaluation decodes held-out clips
+evaluations). Losses: multi-scale log-mel distance (torchaudio), time-domain L1, the RVQ
+commitment loss and negative SI-SDR (phase: without it the waveform never lined up within a
+CPU budget); no adversarial loss (see bench/RESULTS.md). Evaluation decodes held-out clips
 from the first k levels for k = 1, 2, 4, ..., L and reports SI-SDR (torchmetrics), mel
 distance, bitrate and codebook usage per level, with a PNG of spectrograms and WAV files.
 """
@@ -86,6 +87,18 @@ class SegmentSampler:
 
     def load_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
+
+
+def si_sdr_per_item(recon: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean SI-SDR (dB) over the batch items whose target has sound (silence has no SI-SDR)."""
+    from torchmetrics.functional.audio import scale_invariant_signal_distortion_ratio
+
+    energy = target.pow(2).mean(dim=(1, 2))
+    keep = energy > 1e-6
+    if not bool(keep.any()):
+        return recon.new_zeros(())
+    sdr = scale_invariant_signal_distortion_ratio(recon[keep, 0], target[keep, 0], zero_mean=True)
+    return sdr.mean()
 
 
 def heldout_clips(clips: list[np.ndarray], seconds: float, sample_rate: int = 16_000) -> list[torch.Tensor]:
@@ -263,8 +276,13 @@ def train_audio(train_clips: list[np.ndarray], heldout: list[np.ndarray], cfg: A
         recon, _, commit = model(batch)
         recon = recon.float()[..., :batch.shape[-1]]
         l1, mel_distance = F.l1_loss(recon, batch), mel(recon, batch)
+        loss = cfg.l1_weight * l1 + cfg.mel_weight * mel_distance + commit
         logged = {"l1": float(l1.detach()), "mel": float(mel_distance.detach())}
-        return cfg.l1_weight * l1 + cfg.mel_weight * mel_distance + commit, logged
+        if cfg.sisdr_weight:
+            sdr = si_sdr_per_item(recon, batch)
+            loss = loss - cfg.sisdr_weight * sdr / 10
+            logged["si_sdr"] = float(sdr.detach())
+        return loss, logged
 
     def evaluate_fn(tag: str) -> dict:
         ev = evaluate(model, eval_set, run_dir / f"eval-{tag}")
