@@ -177,7 +177,8 @@ def save_grid(originals: list[torch.Tensor], recons: list[torch.Tensor], path: P
 
     tiles = []
     pairs = list(zip(originals, recons, strict=True))
-    picks = sorted({round(i * (len(pairs) - 1) / max(1, max_pairs - 1)) for i in range(min(len(pairs), max_pairs))})
+    picks = (range(len(pairs)) if len(pairs) <= max_pairs
+             else sorted({round(i * (len(pairs) - 1) / (max_pairs - 1)) for i in range(max_pairs)}))
     for original, recon in (pairs[i] for i in picks):  # spread over the whole set
         for image in (original, recon):
             h, w = image.shape[1:]
