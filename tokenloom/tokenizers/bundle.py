@@ -75,3 +75,32 @@ def resolve(store: Path, bundle: str) -> Path:
         f"no tokenizer bundle {bundle!r} in {store}; known bundles: {', '.join(known) or 'none'} "
         "(train one with `tokenloom tokenizer train text`)"
     )
+
+
+WEIGHTS = "model.safetensors"
+
+
+def publish_module(module, store: Path, kind: str, doc: dict) -> BundleInfo:
+    """Publish a torch module as a neural tokenizer bundle: safetensors weights plus
+    `bundle.json` (`doc` with its `kind`), content-addressed like every bundle."""
+    from safetensors.torch import save_model
+
+    staging = staging_dir(store)
+    save_model(module, str(staging / WEIGHTS))
+    (staging / CONFIG_NAME).write_text(json.dumps({**doc, "kind": kind}, indent=2, sort_keys=True))
+    return publish(staging, store, kind)
+
+
+def load_module(path: Path | str, kind: str, fmt: str, build):
+    """Load a bundle written by `publish_module`: check kind and format, `build(config)` the
+    module, load its weights (safetensors, strict), return it in eval mode without gradients."""
+    from safetensors.torch import load_model
+
+    info = load_info(Path(path))
+    if info.kind != kind or info.config.get("format") != fmt:
+        raise ValueError(f"bundle {info.id} is a {info.kind} tokenizer, not a {kind} tokenizer ({fmt})")
+    module = build(info.config)
+    load_model(module, str(Path(path) / WEIGHTS), strict=True)
+    module.eval().requires_grad_(False)
+    module.bundle_id = info.id
+    return module

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_model, save_model
 
 from tokenloom.tokenizers import bundle
 from tokenloom.tokenizers.audio.config import AudioTokenizerConfig
@@ -27,7 +26,6 @@ from tokenloom.tokenizers.audio.model import AudioTokenizer, MultiScaleMel, para
 from tokenloom.tokenizers.loop import run_training
 
 FORMAT = "tokenloom.audio/1"
-WEIGHTS = "model.safetensors"
 
 
 def to_mono_16k(samples: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndarray:
@@ -209,10 +207,7 @@ def config_from_dict(doc: dict) -> AudioTokenizerConfig:
 def publish_bundle(model: AudioTokenizer, store: Path, heldout: dict | None = None) -> bundle.BundleInfo:
     if not model.codebook_ready:
         raise ValueError("refusing to publish an audio tokenizer whose RVQ codebooks were never initialized")
-    staging = bundle.staging_dir(store)
-    save_model(model, str(staging / WEIGHTS))
-    doc = {
-        "kind": "audio",
+    return bundle.publish_module(model, store, "audio", {
         "format": FORMAT,
         "config": asdict(model.cfg),
         "levels": model.levels,
@@ -223,21 +218,12 @@ def publish_bundle(model: AudioTokenizer, store: Path, heldout: dict | None = No
         "layout": "frame-major: L codes per frame, level 1 first",
         "parameters": parameter_count(model),
         "heldout": heldout or {},
-    }
-    (staging / bundle.CONFIG_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True))
-    return bundle.publish(staging, store, "audio")
+    })
 
 
 def load_audio(path: Path | str) -> AudioTokenizer:
     """An audio tokenizer bundle, ready to encode/decode (eval mode, no gradients)."""
-    info = bundle.load_info(Path(path))
-    if info.kind != "audio" or info.config.get("format") != FORMAT:
-        raise ValueError(f"bundle {info.id} is a {info.kind} tokenizer, not an audio tokenizer ({FORMAT})")
-    model = AudioTokenizer(config_from_dict(info.config["config"]))
-    load_model(model, str(Path(path) / WEIGHTS), strict=True)
-    model.eval().requires_grad_(False)
-    model.bundle_id = info.id
-    return model
+    return bundle.load_module(path, "audio", FORMAT, lambda doc: AudioTokenizer(config_from_dict(doc["config"])))
 
 
 # -- training -----------------------------------------------------------------------------

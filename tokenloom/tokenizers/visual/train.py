@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_model, save_model
 
 from tokenloom.tokenizers import bundle
 from tokenloom.tokenizers.loop import run_training
@@ -31,7 +30,6 @@ from tokenloom.tokenizers.visual.model import (
 )
 
 FORMAT = "tokenloom.visual/1"
-WEIGHTS = "model.safetensors"
 
 
 # -- images as tensors --------------------------------------------------------------------
@@ -203,10 +201,7 @@ def config_from_dict(doc: dict) -> VisualTokenizerConfig:
 def publish_bundle(model: VisualTokenizer, store: Path, heldout: dict | None = None) -> bundle.BundleInfo:
     if not model.codebook_ready:
         raise ValueError("refusing to publish a visual tokenizer whose VQ codebook was never initialized")
-    staging = bundle.staging_dir(store)
-    save_model(model, str(staging / WEIGHTS))
-    doc = {
-        "kind": "visual",
+    return bundle.publish_module(model, store, "visual", {
         "format": FORMAT,
         "config": asdict(model.cfg),
         "extra_cnn_blocks": model.extra_cnn_blocks,
@@ -216,21 +211,13 @@ def publish_bundle(model: VisualTokenizer, store: Path, heldout: dict | None = N
         "grid_order": "raster",
         "parameters": parameter_count(model),
         "heldout": heldout or {},
-    }
-    (staging / bundle.CONFIG_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True))
-    return bundle.publish(staging, store, "visual")
+    })
 
 
 def load_visual(path: Path | str) -> VisualTokenizer:
     """A visual tokenizer bundle, ready to encode/decode (eval mode, no gradients)."""
-    info = bundle.load_info(Path(path))
-    if info.kind != "visual" or info.config.get("format") != FORMAT:
-        raise ValueError(f"bundle {info.id} is a {info.kind} tokenizer, not a visual tokenizer ({FORMAT})")
-    model = VisualTokenizer(config_from_dict(info.config["config"]), int(info.config.get("extra_cnn_blocks", 0)))
-    load_model(model, str(Path(path) / WEIGHTS), strict=True)
-    model.eval().requires_grad_(False)
-    model.bundle_id = info.id
-    return model
+    return bundle.load_module(path, "visual", FORMAT, lambda doc: VisualTokenizer(
+        config_from_dict(doc["config"]), int(doc.get("extra_cnn_blocks", 0))))
 
 
 # -- training -----------------------------------------------------------------------------
