@@ -4,13 +4,7 @@
 # training run with its throughput and held-out SI-SDR. Output goes to $OUT (default bench/out/gpu).
 #
 #   bash bench/gpu_audio.sh            # PYTHON=/path/to/python to choose the interpreter
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-bench/out/gpu}"
-mkdir -p "$OUT_DIR"
-if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
+source "$(dirname "$0")/gpu_common.sh"
 timeout 120 "$PY" -m pytest tests/test_audio.py -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT_DIR/audio-tests.txt" \
   || status=1
 timeout 240 "$PY" - "$OUT_DIR" <<'PY' 2>&1 | tee "$OUT_DIR/audio-bench.txt" || status=1

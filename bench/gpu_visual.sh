@@ -7,18 +7,8 @@
 # Output goes to $OUT (default bench/out/gpu). Exit status: non-zero if a stage failed.
 #
 #   bash bench/gpu_visual.sh            # PYTHON=/path/to/python to choose the interpreter
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-bench/out/gpu}"
-mkdir -p "$OUT_DIR"
-if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-status=0
-{
-  echo "== environment ($(date -u))"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-  "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-} 2>&1 | tee "$OUT_DIR/visual-env.txt"
+source "$(dirname "$0")/gpu_common.sh"
+gpu_env visual
 timeout 120 "$PY" -m pytest tests/test_visual.py -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT_DIR/visual-tests.txt" \
   || status=1
 timeout 300 "$PY" bench/gpu_visual.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/visual-bench.txt" || status=1

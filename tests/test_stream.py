@@ -35,9 +35,9 @@ def _batches(stream, n, bs=3):
 
 def test_same_seed_same_order_other_seed_other_order(shard_files):
     cfg = StreamConfig(seq_len=16, seed=3)
-    a = [r["input_ids"] for r in _take(iter(TokenStream(shard_files, cfg)), 12)]
-    b = [r["input_ids"] for r in _take(iter(TokenStream(shard_files, cfg)), 12)]
-    c = [r["input_ids"] for r in _take(iter(TokenStream(shard_files, StreamConfig(seq_len=16, seed=4))), 12)]
+    a = [r["ids"][:, 0] for r in _take(iter(TokenStream(shard_files, cfg)), 12)]
+    b = [r["ids"][:, 0] for r in _take(iter(TokenStream(shard_files, cfg)), 12)]
+    c = [r["ids"][:, 0] for r in _take(iter(TokenStream(shard_files, StreamConfig(seq_len=16, seed=4))), 12)]
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
 
@@ -86,7 +86,7 @@ def test_global_order_does_not_depend_on_world_size(shard_files):
 
 def test_packing_keeps_documents_apart(shard_files):
     row = next(iter(TokenStream(shard_files, StreamConfig(seq_len=64, seed=0))))
-    ids, labels, docs, pos = row["input_ids"], row["labels"], row["doc_ids"], row["position_ids"]
+    ids, labels, docs, pos = row["ids"][:, 0], row["labels"][:, 0], row["doc_ids"], row["coords"][:, 0]
     for i in range(63):
         if docs[i + 1] == docs[i]:
             assert labels[i] == ids[i + 1]  # next token of the same sample
@@ -103,7 +103,7 @@ def test_rows_tile_the_sample_stream_without_gaps_or_repeats(shard_files):
     stream = TokenStream(shard_files, StreamConfig(seq_len=10, seed=2), rank=1, world_size=2)
     expected = np.concatenate([stream._sample(0, c) for c in range(stream.samples_per_epoch(0))])
     it = iter(stream)
-    rows = [next(it)["input_ids"] for _ in range(len(expected) // 10)]
+    rows = [next(it)["ids"][:, 0] for _ in range(len(expected) // 10)]
     np.testing.assert_array_equal(np.concatenate(rows), expected[: 10 * len(rows)])
 
 
@@ -117,3 +117,44 @@ def test_bad_arguments(shard_files, tmp_path):
     s = TokenStream([ShardFile(str(broken), 3)], StreamConfig(seq_len=4))
     with pytest.raises(OSError, match="broken.parquet"):
         next(iter(s))
+
+
+def test_holdout_splits_are_disjoint_fixed_and_cover_every_sample(shard_files):
+    def firsts(split, seed, world=1):
+        out = []
+        for rank in range(world):
+            s = TokenStream(shard_files, StreamConfig(seq_len=8, seed=seed, holdout=0.3, split=split), rank, world)
+            out += [int(s._sample(0, c)[0]) for c in range(s.samples_per_epoch(0))]
+        return sorted(out)
+
+    train, val = firsts("train", 0), firsts("val", 0)
+    total = sum(f.num_rows for f in shard_files)
+    assert not set(train) & set(val) and sorted(train + val) == [1000 * k for k in range(total)]
+    assert 0.1 < len(val) / total < 0.5
+    assert firsts("val", 5, world=2) == val  # the split does not move with the seed or the ranks
+    with pytest.raises(ValueError, match="holdout"):
+        TokenStream(shard_files, StreamConfig(split="val"))
+
+
+def test_audio_sample_ends_its_row_so_the_mask_fits(tmp_path):
+    import torch
+    from multimodal_data import audio_sample, text_sample, write_shard
+
+    from tokenloom.model.unified import mask_indices
+
+    rng = np.random.default_rng(0)
+    samples = [audio_sample(rng, frames=12) if k % 2 else text_sample(rng, 20) for k in range(12)]
+    stream = TokenStream([write_shard(tmp_path / "a.parquet", samples)], StreamConfig(seq_len=48, group_size=2,
+                                                                                     audio_window=4))
+    seen_audio_frames = 0
+    for row in (next(iter(stream)) for _ in range(12)):
+        audio_docs = np.unique(row["doc_ids"][row["modality"] == 2])
+        for doc in audio_docs:  # an audio sample with a transcript is the row's last sample
+            assert doc == row["doc_ids"].max()
+        seen_audio_frames += int((row["modality"] == 2).sum())
+        mask_indices({k: torch.from_numpy(v)[None] for k, v in row.items()})  # two intervals per column suffice
+        pad = row["modality"] == 3
+        assert (row["labels"][pad] == IGNORE_INDEX).all()
+        if pad.any():
+            assert (row["attention"][pad] == 0).all() and len(np.unique(row["segment_ids"][pad])) == 1
+    assert seen_audio_frames > 0

@@ -456,14 +456,78 @@ def train(home: Home, dataset: str, cfg: RunConfig, at: str | None = None, progr
     if cfg.model.vocab_size and cfg.model.vocab_size < vocab.size:
         raise ValueError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the manifest's {vocab.size}")
     cfg.model.vocab_size = cfg.model.vocab_size or vocab.size
+    cfg.model.audio_ranges = tuple((r.start, r.stop) for r in vocab.audio)
+    cfg.stream.group_size = cfg.stream.group_size or max(1, len(vocab.audio))
+    if cfg.stream.group_size < len(vocab.audio):
+        raise ValueError(f"stream.group_size {cfg.stream.group_size} cannot hold the manifest's {len(vocab.audio)} "
+                         "audio levels")
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, cfg.stream.seq_len)
     run_dir = home.runs / (run_name or f"{dataset}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
     files = shard_files(catalog, dataset, summary["snapshot_id"])
     result = run_training(files, cfg.model, cfg.stream, cfg.train, run_dir, resume_from=resume_from,
                           progress=progress)
-    (run_dir / "source.json").write_text(json.dumps(
-        {"dataset": dataset, "snapshot_id": summary["snapshot_id"], "vocab_id": vocab.id}, indent=2))
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank trains in rank 0's run folder (the loop broadcasts it)
+        (Path(result.run_dir) / "source.json").write_text(json.dumps(
+            {"dataset": dataset, "snapshot_id": summary["snapshot_id"], "vocab_id": vocab.id}, indent=2))
     return summary["snapshot_id"], result
+
+
+def _model_folder(path: Path) -> Path:
+    """A model folder, or a training run folder holding one under model/."""
+    path = Path(path)
+    if (path / "model" / "model.json").is_file():
+        return path / "model"
+    if (path / "model.json").is_file():
+        return path
+    raise FileNotFoundError(f"{path} is neither a model folder nor a training run with a model/ folder")
+
+
+def _submodel(cfg, layers: str | None, experts: str | None, top_k: int | None):
+    from tokenloom.model.elastic import parse_indices
+    from tokenloom.model.unified import SubModel
+
+    if top_k is not None and not 1 <= top_k <= cfg.top_k:
+        raise ValueError(f"--top-k must be in [1, {cfg.top_k}] for this model, got {top_k}")
+    return SubModel(parse_indices(layers, cfg.n_layers, "--layers") if layers else None,
+                    parse_indices(experts, cfg.n_experts, "--experts") if experts else None, top_k)
+
+
+def model_export(source: Path, out: Path, layers: str | None = None, experts: str | None = None,
+                 top_k: int | None = None) -> dict:
+    """Write a smaller standalone model: a subset of layers, of experts, and a smaller top-k."""
+    from tokenloom.model.io import load_model, save_model
+    from tokenloom.model.unified import export_submodel
+
+    model, doc = load_model(_model_folder(source))
+    sub = _submodel(model.cfg, layers, experts, top_k)
+    small = export_submodel(model, sub)
+    save_model(small.state_dict(), small.cfg, out, {"exported_from": str(Path(source).resolve()), **sub.describe(),
+                                                    "experts_kept": list(sub.experts) if sub.experts else None})
+    return {"out": str(out), "parameters": sum(p.numel() for p in small.parameters()),
+            "source_parameters": sum(p.numel() for p in model.parameters()), "n_layers": small.cfg.n_layers,
+            "n_experts": small.cfg.n_experts, "top_k": small.cfg.top_k}
+
+
+def model_eval(home: Home, cfg: RunConfig, source: Path, dataset: str, at: str | None = None, batches: int = 8,
+               layers: str | None = None, experts: str | None = None, top_k: int | None = None) -> dict:
+    """Validation loss per modality of a model folder (optionally restricted) on a catalog snapshot."""
+    from tokenloom.model.io import load_model
+    from tokenloom.trainer.evaluate import evaluate
+
+    model, doc = load_model(_model_folder(source))
+    catalog = open_catalog(home, cfg)
+    summary = catalog.summary(dataset, at)
+    if summary["snapshot_id"] is None:
+        raise ValueError(f"dataset {dataset!r} has no committed snapshot to evaluate on")
+    vocab = VocabManifest.load(home.vocab / f"{summary['vocab_id']}.json")
+    if vocab.size > model.cfg.vocab_size or tuple((r.start, r.stop) for r in vocab.audio) != model.cfg.audio_ranges:
+        raise ValueError(f"the model's token space does not match dataset {dataset!r}'s manifest {vocab.id}")
+    cfg.stream.group_size = cfg.stream.group_size or max(1, len(vocab.audio))
+    sub = _submodel(model.cfg, layers, experts, top_k)
+    files = shard_files(catalog, dataset, summary["snapshot_id"])
+    result = evaluate(model, files, cfg.stream, batches=batches, micro_batch_size=cfg.train.micro_batch_size, sub=sub)
+    return {"model": str(_model_folder(source)), "dataset": dataset, "snapshot_id": summary["snapshot_id"],
+            "submodel": sub.describe(), **result}
 
 
 # -- the demo -----------------------------------------------------------------------------
@@ -565,6 +629,12 @@ def demo(home: Home, cfg: RunConfig | None = None, tiny: bool = False, progress:
         "loss_last": trained.last_loss,
         "train_tokens_per_second": trained.tokens_per_second,
         "parameters": trained.parameters,
+        "active_parameters": trained.active_parameters,
+        "model": f"{cfg.model.n_layers} layers x dim {cfg.model.dim}, {cfg.model.n_experts} experts top-"
+                 f"{cfg.model.top_k} + {cfg.model.n_shared_experts} shared",
+        "modality_loss": trained.modality_loss,
+        "routing": trained.routing,
+        "model_dir": trained.model_dir,
         "home": str(home.root),
         "run_dir": trained.run_dir,
         "checkpoint": trained.checkpoint,

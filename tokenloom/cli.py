@@ -28,10 +28,12 @@ tokenizer_app = typer.Typer(help="Train, evaluate and decode with tokenizers.", 
 tokenizer_train_app = typer.Typer(help="Train a tokenizer bundle.", no_args_is_help=True)
 tokenizer_eval_app = typer.Typer(help="Evaluate a tokenizer bundle on your files.", no_args_is_help=True)
 catalog_app = typer.Typer(help="Query the dataset catalog.", no_args_is_help=True)
+model_app = typer.Typer(help="Export and evaluate trained models.", no_args_is_help=True)
 app.add_typer(tokenizer_app, name="tokenizer")
 tokenizer_app.add_typer(tokenizer_train_app, name="train")
 tokenizer_app.add_typer(tokenizer_eval_app, name="eval")
 app.add_typer(catalog_app, name="catalog")
+app.add_typer(model_app, name="model")
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
@@ -143,12 +145,17 @@ def demo(home: HomeOpt = None, json_out: JsonOpt = False, tiny: Annotated[bool, 
                             f"{summary['audio_heldout'].get('si_sdr', float('nan')):.1f} dB with all levels)"),
         ("samples by modality", ", ".join(f"{k}: {v['samples']:,} samples / {v['tokens']:,} tokens"
                                           for k, v in summary["modalities"].items())),
-        ("model parameters", f"{summary['parameters']:,}"),
+        ("model", f"{summary['parameters']:,} parameters ({summary['active_parameters']:,} active per token): "
+                  f"{summary['model']}"),
         ("steps", str(summary["steps"])),
         ("loss first -> last", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"),
+        ("final loss by modality", ", ".join(f"{k.removeprefix('loss_')} {v:.3f}"
+                                             for k, v in summary["modality_loss"].items() if v is not None)),
+        ("expert balance", f"max load / mean load - 1: {summary['routing'].get('all.max_violation', float('nan')):.2f}"
+                           f" (mean over layers), load entropy {summary['routing'].get('all.load_entropy', 0):.3f}"),
         ("training tokens/s", f"{summary['train_tokens_per_second']:,.0f}"),
         ("home", summary["home"]),
-        ("run (metrics, loss.png)", summary["run_dir"]),
+        ("run (metrics, loss.png, routing.png)", summary["run_dir"]),
         ("checkpoint", str(summary["checkpoint"])),
         ("wall time", f"{summary['seconds']:.0f} s"),
     ]
@@ -511,11 +518,60 @@ def train(
         cfg.train.steps = steps
     with _quiet_stdout(json_out):
         snapshot_id, r = api.train(home_, dataset, cfg, at=at, progress=not json_out, resume_from=resume)
+        from tokenloom.trainer.distributed import shutdown_distributed
+
+        rank = shutdown_distributed()
+    if rank != 0:  # one report per run, from rank 0
+        return
     doc = {"dataset": dataset, "snapshot_id": snapshot_id, **asdict(r)}
     if json_out:
         return _emit_json(doc)
     console.print(f"trained {r.steps} steps on {dataset}@{snapshot_id}: loss {r.first_loss:.3f} -> {r.last_loss:.3f}, "
                   f"{r.tokens_per_second:,.0f} tokens/s; outputs in {r.run_dir}")
+    per = ", ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in r.modality_loss.items() if v is not None)
+    console.print(f"final loss per modality: {per}; model in {r.model_dir}")
+
+
+LayersOpt = Annotated[str | None, typer.Option("--layers", help="Layers to keep, e.g. 0,2,3 or 0-2 (default: all).")]
+ExpertsOpt = Annotated[str | None, typer.Option("--experts", help="Experts to keep, e.g. 0-7 (default: all).")]
+TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Experts per token (default: the model's).")]
+
+
+@model_app.command("export")
+@_user_errors
+def model_export(
+    source: Annotated[Path, typer.Argument(help="A training run folder or a model folder.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the smaller model.")],
+    layers: LayersOpt = None, experts: ExpertsOpt = None, top_k: TopKOpt = None, json_out: JsonOpt = False,
+):
+    """Write a smaller standalone model: fewer layers, fewer experts, a smaller top-k (elastic sub-model)."""
+    from tokenloom import api
+
+    doc = api.model_export(source, out, layers, experts, top_k)
+    if json_out:
+        return _emit_json(doc)
+    console.print(f"exported {doc['n_layers']} layers, {doc['n_experts']} experts, top-{doc['top_k']}: "
+                  f"{doc['parameters']:,} of {doc['source_parameters']:,} parameters -> {doc['out']}")
+
+
+@model_app.command("eval")
+@_user_errors
+def model_eval(
+    source: Annotated[Path, typer.Argument(help="A training run folder or a model folder.")],
+    dataset: Annotated[str, typer.Option("--dataset")],
+    at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
+    batches: Annotated[int, typer.Option("--batches", help="Batches to evaluate.")] = 8,
+    layers: LayersOpt = None, experts: ExpertsOpt = None, top_k: TopKOpt = None,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None,
+    overrides: OverridesArg = None,
+):
+    """Loss per modality of a model (optionally restricted to a sub-model) on a catalog snapshot."""
+    api, home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
+    doc = api.model_eval(home_, cfg, source, dataset, at, batches, layers, experts, top_k)
+    if json_out:
+        return _emit_json(doc)
+    per = ", ".join(f"{m} {doc[f'loss_{m}']:.3f}" for m in ("text", "image", "audio") if doc[f"loss_{m}"] is not None)
+    console.print(f"{dataset}@{doc['snapshot_id']}: loss {doc['loss']:.3f} ({per}) over {doc['tokens']:,.0f} tokens")
 
 
 def main() -> None:  # pragma: no cover

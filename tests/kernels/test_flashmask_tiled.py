@@ -99,6 +99,15 @@ def test_random_shapes_and_masks_match_reference(problem, seed):
     run_and_compare(tiled(idx, causal, *blocks), q, k, v, idx, causal=causal)
 
 
+@settings(max_examples=25, deadline=None)
+@given(problems(), st.integers(0, 2**16))
+def test_dense_path_matches_reference(problem, seed):
+    batch, seq_q, seq_k, heads, kv_heads, dim, causal, idx, _ = problem
+    q, k, v = qkv(batch, seq_q, seq_k, heads, kv_heads, dim, seed=seed)
+    run_and_compare(lambda q, k, v: flashmask_attention(q, k, v, idx, causal=causal, backend="dense"), q, k, v, idx,
+                    causal=causal)
+
+
 def test_public_api_with_per_head_indices_and_gqa():
     seq = 150
     idx = torch.cat([MASK_BUILDERS["causal_document"].build([70, 80]), MASK_BUILDERS["sliding_window"].build(seq, 30)], 1)
@@ -150,5 +159,7 @@ def test_dispatcher_picks_triton_only_for_cuda_half_precision():
     assert choose_backend(fake(True, torch.float32, 64)) == "torch"
     assert choose_backend(fake(True, torch.bfloat16, 80)) == "torch"
     assert choose_backend(fake(False, torch.bfloat16, 64)) == "torch"
+    assert choose_backend(fake(False, torch.float32, 64), seq_k=8) == "dense"  # short: the mask is small
+    assert choose_backend(fake(False, torch.float32, 64), seq_k=10**6) == "torch"
     with pytest.raises(ValueError, match="backend"):
         flashmask_attention(*qkv(1, 8, 8, 1, 1, 8), MASK_BUILDERS["causal"].build(8), causal=True, backend="cuda")

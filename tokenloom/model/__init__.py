@@ -1,16 +1,16 @@
-"""model: the transformer over the unified token space (single-device code).
+"""model: the unified multimodal MoE transformer over one token space (single-device code).
 
 Exports resolve lazily so that reading a config does not import torch.
 """
 
-from tokenloom.model.config import ModelConfig
+from tokenloom.model.config import ElasticConfig, ModelConfig
 
-__all__ = ["ModelConfig", "Transformer"]
+__all__ = ["ElasticConfig", "ModelConfig", "SubModel", "UnifiedModel", "export_submodel", "routing_metrics"]
 
 
 def __getattr__(name: str):
-    if name == "Transformer":
-        from tokenloom.model.transformer import Transformer
+    if name in ("UnifiedModel", "SubModel", "export_submodel", "routing_metrics"):
+        from tokenloom.model import unified
 
-        return Transformer
+        return getattr(unified, name)
     raise AttributeError(name)

@@ -17,14 +17,14 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     zero_stage: int = 1
-    # bf16 autocast: off by default, since on the CPUs measured here (AMD EPYC, no avx512_bf16)
-    # bf16 matmuls ran 10-100x slower than fp32 (bench/bench_cpu_matmul.py). Turn it on
-    # where the CPU has bf16 units or on a GPU.
-    bf16_autocast: bool = False
+    # "auto": bf16 autocast on GPUs, fp32 on CPUs, where MoE training measured 0.5x in bf16 even
+    # on an AMX Xeon (see trainer.distributed.use_bf16); "bf16" or "fp32" force it.
+    precision: str = "auto"
     log_every: int = 10
     seed: int = 0
     save_checkpoint: bool = True
     stop_after: int = 0  # stop this invocation at this global step (0: run to `steps`); resume later
+    expert_parallel: int = 1  # ranks one layer's experts are spread over (divides the world size)
 
     def validate(self) -> None:
         if self.steps < 1 or self.micro_batch_size < 1 or self.grad_accum < 1:
@@ -33,8 +33,15 @@ class TrainConfig:
             raise ValueError(f"train.zero_stage must be 0, 1 or 2 on this trainer, got {self.zero_stage}")
         if not 0 <= self.stop_after <= self.steps:
             raise ValueError(f"train.stop_after ({self.stop_after}) must be between 0 and train.steps ({self.steps})")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be < train.steps ({self.steps})")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"train.precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.expert_parallel < 1:
+            raise ValueError(f"train.expert_parallel must be >= 1, got {self.expert_parallel}")
+        if self.expert_parallel > 1 and self.zero_stage not in (1, 2):
+            raise ValueError("train.expert_parallel > 1 needs train.zero_stage 1 or 2 (resuming restores the "
+                             "expert slices from ZeRO's master copies)")
+        if not 1 <= self.warmup_steps < self.steps:  # DeepSpeed's WarmupCosineLR needs at least one
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be in [1, train.steps={self.steps})")
 
     def deepspeed_config(self) -> dict:
         return {

@@ -48,5 +48,32 @@ def prebuild_ops() -> None:
     build_shm_op()
 
 
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """bf16 autocast for `train.precision`: "bf16" always, "fp32" never, "auto" on GPUs with bf16.
+
+    On CPUs "auto" means fp32, by measurement (bench/bench_model.py): even on an AMX Xeon, where
+    a 1024^3 bf16 matmul runs 5x faster than fp32, MoE training at the demo size ran at 0.5x in
+    bf16, since every step brings new expert-slice shapes and oneDNN builds a bf16 kernel per
+    shape, and the weight casts cost about what the small matmuls save; on an AVX2-only EPYC bf16
+    matmuls were 10-100x slower outright."""
+    if precision == "bf16":
+        return True
+    return precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def shutdown_distributed() -> int:
+    """Leave the process group cleanly at the end of a multi-process command; returns this rank.
+
+    Every rank waits for the others first: a rank that exits while another still talks to it can
+    abort with "terminate called without an active exception"."""
+    if not torch.distributed.is_initialized():
+        return int(os.environ.get("RANK", "0"))
+    rank = torch.distributed.get_rank()
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return rank
+
+
 if __name__ == "__main__":
     prebuild_ops()

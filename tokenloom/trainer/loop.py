@@ -1,7 +1,10 @@
 """The training loop: one loop, configured, for every model the catalog can feed.
 
 DeepSpeed owns the optimizer step, ZeRO partitioning, gradient clipping and the LR
-schedule; this file owns the data stream, precision context, logging and checkpoints. The
+schedule (and, with `train.expert_parallel`, the expert/data process groups and MoE parameter
+groups); this file owns the data stream, the elastic sub-model of each step, the routers'
+auxiliary-loss-free bias updates (from loads summed over every rank, so biases stay equal),
+precision context, logging (per-modality losses, per-layer routing balance) and checkpoints. The
 data stream's state is saved inside each DeepSpeed checkpoint (client state), so resuming
 a run continues with exactly the batch the interrupted run would have read next.
 """
@@ -18,11 +21,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
-from tokenloom.model import ModelConfig, Transformer
+from tokenloom.datasets import IGNORE_INDEX, ShardFile, StreamConfig, TokenStream
+from tokenloom.model import ModelConfig
+from tokenloom.model.elastic import sample_submodel
+from tokenloom.model.io import save_model
+from tokenloom.model.unified import MODALITIES, UnifiedModel, routing_metrics
 from tokenloom.trainer.config import TrainConfig
-from tokenloom.trainer.distributed import init_distributed
-from tokenloom.trainer.metrics import MetricsLog, plot_loss
+from tokenloom.trainer.distributed import init_distributed, use_bf16
+from tokenloom.trainer.metrics import MetricsLog, plot_loss, plot_routing
 
 
 @dataclass
@@ -38,6 +44,11 @@ class TrainResult:
     loss_plot: str | None
     world_size: int = 1
     losses: list[float] = field(default_factory=list)
+    modality_loss: dict[str, float | None] = field(default_factory=dict)  # last 10 steps, per target modality
+    routing: dict[str, float] = field(default_factory=dict)  # balance over the last 10 steps
+    model_dir: str | None = None
+    routing_plot: str | None = None
+    active_parameters: int = 0
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -50,6 +61,37 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def _to_tensors(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v).to(device=device, dtype=torch.long) for k, v in batch.items()}
+
+
+def active_parameters(cfg: ModelConfig, total: int) -> int:
+    """Parameters one token uses: all but the routed experts it is not sent to."""
+    per_expert = 3 * cfg.dim * cfg.expert_hidden
+    return total - cfg.n_layers * (cfg.n_experts - cfg.top_k) * per_expert
+
+
+class StepStats:
+    """Per-step sums that every rank contributes to: CE sums and counts per modality, expert loads."""
+
+    KEYS = tuple(f"{kind}_{m}" for kind in ("sum", "count") for m in MODALITIES)
+
+    def __init__(self, layers: int, experts: int):
+        self.parts = torch.zeros(len(self.KEYS))
+        self.loads = torch.zeros(layers, 4, experts)
+
+    def add(self, parts: dict[str, torch.Tensor], loads: torch.Tensor) -> None:
+        self.parts += torch.stack([parts[k].detach().float().cpu() for k in self.KEYS])
+        self.loads += loads
+
+    def reduce(self, world: int) -> None:
+        if world > 1:
+            flat = torch.cat([self.parts, self.loads.flatten()])
+            torch.distributed.all_reduce(flat)
+            self.parts, self.loads = flat[: len(self.KEYS)], flat[len(self.KEYS) :].view_as(self.loads)
+
+    def modality_losses(self) -> dict[str, float | None]:
+        n = len(MODALITIES)
+        return {f"loss_{m}": (float(self.parts[i] / self.parts[n + i]) if self.parts[n + i] > 0 else None)
+                for i, m in enumerate(MODALITIES)}
 
 
 def train(
@@ -72,9 +114,17 @@ def train(
         holder = [str(run_dir)]
         torch.distributed.broadcast_object_list(holder, src=0)
         run_dir = Path(holder[0])
-    model = Transformer(model_cfg)
-    optimizer = torch.optim.AdamW(_param_groups(model, train_cfg.weight_decay), lr=train_cfg.lr,
-                                  betas=train_cfg.betas)
+    model = UnifiedModel(model_cfg)
+    parameters = sum(p.numel() for p in model.parameters())
+    ep = train_cfg.expert_parallel
+    if ep > 1:  # before the optimizer and engine exist: this replaces the expert weights by local slices
+        from tokenloom.trainer.expert_parallel import apply_expert_parallel, optimizer_param_groups
+
+        apply_expert_parallel(model, ep)
+        groups = optimizer_param_groups(model, train_cfg.weight_decay)
+    else:
+        groups = _param_groups(model, train_cfg.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=train_cfg.betas)
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=train_cfg.deepspeed_config())
     stream = TokenStream(files, stream_cfg, rank=rank, world_size=world)
@@ -84,42 +134,62 @@ def train(
         if client is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {resume_from}")
         _check_resumable(client, resume_from, world, stream_cfg, files)
+        if ep > 1:  # DeepSpeed wrote rank 0's module; put each rank's own expert slices back
+            from tokenloom.trainer.expert_parallel import refresh_after_checkpoint_load
+
+            refresh_after_checkpoint_load(engine)
         stream.load_state_dict(client["data"][str(rank)])
         start_step = int(client["step"])
 
+    bf16 = use_bf16(train_cfg.precision, engine.device)
+    autocast = torch.autocast(engine.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     metrics = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
     if rank == 0:
         (run_dir / "config.json").write_text(json.dumps(
             {"model": asdict(model_cfg), "stream": asdict(stream_cfg), "train": asdict(train_cfg),
-             "world_size": world}, indent=2))
-    autocast = (torch.autocast(engine.device.type, dtype=torch.bfloat16) if train_cfg.bf16_autocast
-                else contextlib.nullcontext())
+             "world_size": world, "bf16_autocast": bf16}, indent=2))
     batches = stream.batches(train_cfg.micro_batch_size)
     losses: list[float] = []
+    recent: list[StepStats] = []
     tokens_seen, train_seconds = 0, 0.0
     bar = tqdm(total=train_cfg.steps, initial=start_step, desc="train", disable=not progress or rank != 0,
                dynamic_ncols=True)
     end_step = train_cfg.stop_after or train_cfg.steps
     if start_step >= end_step:
         raise ValueError(f"checkpoint is at step {start_step}; nothing to do before step {end_step}")
+    total_loads = torch.zeros(model_cfg.n_layers, 4, model_cfg.n_experts)
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
+        sub = sample_submodel(model_cfg, step)
+        stats = StepStats(model_cfg.n_layers, model_cfg.n_experts)
         step_loss = 0.0
         for _ in range(train_cfg.grad_accum):
             batch = _to_tensors(next(batches), engine.device)
             with autocast:
-                loss = engine.module.loss(batch)
+                loss, parts = engine.module.loss(batch, sub)
             engine.backward(loss)
             engine.step()
+            stats.add(parts, engine.module.routing_loads())
             step_loss += loss.item() / train_cfg.grad_accum
-            tokens_seen += int((batch["labels"] != -100).sum()) * world
+            tokens_seen += int((batch["labels"] != IGNORE_INDEX).sum()) * world
+        stats.reduce(world)
+        engine.module.update_router_bias(stats.loads, sub)  # same loads on every rank: same biases
+        total_loads += stats.loads
         train_seconds += time.perf_counter() - t0
+        if world > 1:
+            holder = torch.tensor([step_loss])
+            torch.distributed.all_reduce(holder)
+            step_loss = float(holder) / world
         losses.append(step_loss)
+        recent = (recent + [stats])[-10:]
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.3f}")
         if metrics is not None and (step % train_cfg.log_every == 0 or step == end_step - 1):
-            metrics.log({"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
-                         "tokens_per_second": tokens_seen / max(train_seconds, 1e-9)})
+            record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                      "tokens_per_second": tokens_seen / max(train_seconds, 1e-9), **stats.modality_losses(),
+                      "submodel": sub.describe()}
+            record.update(routing_metrics(stats.loads))
+            metrics.log(record)
     bar.close()
 
     checkpoint = None
@@ -128,23 +198,63 @@ def train(
         engine.save_checkpoint(checkpoint, client_state={
             "data": _gather_states(stream, world), "step": end_step, "world_size": world,
             "stream": asdict(stream_cfg), "files": [f.path for f in files]})
-    plot = None
+    final = _merge_recent(recent)
+    routing = _routing_summary(final.loads)
+    state = _full_state(engine.module, ep)
+    model_dir = plot = routing_plot = None
+    if rank == 0:
+        model_dir = str(save_model(state, model_cfg, run_dir / "model", {"steps": end_step}))
     if metrics is not None:
         metrics.close()
         plot = plot_loss(metrics.records, run_dir / "loss.png")
+        routing_plot = plot_routing(total_loads, run_dir / "routing.png")
     return TrainResult(
         steps=end_step - start_step,
         first_loss=losses[0],
         last_loss=float(np.mean(losses[-10:])),
         tokens_per_second=tokens_seen / max(train_seconds, 1e-9),
         tokens_seen=tokens_seen,
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=parameters,
         run_dir=str(run_dir),
         checkpoint=checkpoint,
         loss_plot=str(plot) if plot else None,
         world_size=world,
         losses=losses,
+        modality_loss=final.modality_losses(),
+        routing=routing,
+        model_dir=model_dir,
+        routing_plot=str(routing_plot) if routing_plot else None,
+        active_parameters=active_parameters(model_cfg, parameters),
     )
+
+
+def _merge_recent(recent: list[StepStats]) -> StepStats:
+    out = StepStats(*recent[0].loads.shape[::2])
+    for s in recent:
+        out.parts += s.parts
+        out.loads += s.loads
+    return out
+
+
+def _routing_summary(loads: torch.Tensor) -> dict[str, float]:
+    """Mean over layers of each modality's balance (and all modalities together)."""
+    per = routing_metrics(loads)
+    out: dict[str, float] = {}
+    for name in (*MODALITIES, "all"):
+        for key in ("load_entropy", "max_violation"):
+            values = [v for k, v in per.items() if k.split(".", 1)[1] == f"{name}.{key}"]
+            if values:
+                out[f"{name}.{key}"] = float(np.mean(values))
+    return out
+
+
+def _full_state(model: UnifiedModel, ep: int) -> dict[str, torch.Tensor]:
+    """The model's state dict with every expert (gathered from the expert-parallel ranks)."""
+    if ep > 1:
+        from tokenloom.trainer.expert_parallel import full_state_dict
+
+        return full_state_dict(model)  # a collective: every rank calls it
+    return model.state_dict()
 
 
 def _check_resumable(client: dict, path: Path, world: int, stream_cfg: StreamConfig, files: list[ShardFile]) -> None:

@@ -1,8 +1,9 @@
-"""Run metrics: a JSON-lines log and a loss-curve PNG, written by rank 0."""
+"""Run metrics: a JSON-lines log, a loss-curve PNG per modality and an expert-load heatmap, written by rank 0."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -22,8 +23,7 @@ class MetricsLog:
         self._file.close()
 
 
-def plot_loss(records: list[dict], out: Path) -> Path | None:
-    """Loss against step as a PNG; None when matplotlib is unavailable."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -31,13 +31,53 @@ def plot_loss(records: list[dict], out: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    steps = [r["step"] for r in records if "loss" in r]
-    losses = [r["loss"] for r in records if "loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(steps, losses, lw=1.2)
+    return plt
+
+
+def plot_loss(records: list[dict], out: Path) -> Path | None:
+    """Loss against step (total and per modality) as a PNG; None when matplotlib is unavailable."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=120)
+    for key, label in (("loss", "total"), ("loss_text", "text"), ("loss_image", "image"), ("loss_audio", "audio")):
+        pts = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), lw=1.2 if key == "loss" else 0.9, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_routing(loads, out: Path) -> Path | None:
+    """Heatmap of each expert's share of the load, one row per (layer, modality), from loads [layers, 4, E]."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    import numpy as np
+
+    loads = np.asarray(loads, dtype=np.float64)
+    rows, labels = [], []
+    for layer in range(loads.shape[0]):
+        for m, name in enumerate(("text", "image", "audio")):
+            total = loads[layer, m].sum()
+            if total > 0:
+                rows.append(loads[layer, m] / total)
+                labels.append(f"layer {layer} {name}")
+    if not rows:
+        return None
+    grid = np.stack(rows) * loads.shape[2]  # 1.0 = a perfectly even share
+    fig, ax = plt.subplots(figsize=(max(5, 0.3 * loads.shape[2] + 2), 0.3 * len(rows) + 1.5), dpi=120)
+    im = ax.imshow(grid, aspect="auto", cmap="coolwarm", vmin=0, vmax=2)
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xlabel("expert")
+    ax.set_title("expert load / mean load (1 = balanced)", fontsize=9)
+    fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
