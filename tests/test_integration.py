@@ -46,7 +46,11 @@ def test_demo_runs_end_to_end(demo_home):
     assert s["train_tokens_per_second"] > 0
     run = Path(s["run_dir"])
     assert (run / "metrics.jsonl").is_file() and (run / "loss.png").stat().st_size > 1000
+    assert (run / "routing.png").is_file() and (run / "model" / "model.safetensors").is_file()
     assert Path(s["checkpoint"]).is_dir()
+    # the unified model: losses per target modality, and the routers' balance
+    assert s["modality_loss"]["loss_text"] > 0 and 0 < s["routing"]["all.load_entropy"] <= 1
+    assert s["active_parameters"] < s["parameters"]
 
 
 def test_catalog_reports_the_committed_snapshot(demo_home):
@@ -187,3 +191,24 @@ def test_expert_parallel_training_over_two_processes(demo_home, tmp_path):
     state, expected = model.state_dict(), reference.state_dict()
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_model_export_and_eval_from_the_command_line(demo_home, tmp_path):
+    """An exported sub-model runs on its own and scores exactly what the full model scores under the same cut."""
+    home, s = demo_home
+    cut = ["--layers", "1", "--experts", "0-7", "--top-k", "1"]
+    exported = _cli("model", "export", s["run_dir"], "--out", str(tmp_path / "small"), *cut, "--json", home=home)
+    assert (exported["n_layers"], exported["n_experts"], exported["top_k"]) == (1, 8, 1)
+    assert exported["parameters"] < exported["source_parameters"]
+    alone = _cli("model", "eval", str(tmp_path / "small"), "--dataset", "stdlib-docs", "--batches", "2", "--json",
+                 home=home)
+    restricted = _cli("model", "eval", s["run_dir"], "--dataset", "stdlib-docs", "--batches", "2", *cut, "--json",
+                      home=home)
+    full = _cli("model", "eval", s["run_dir"], "--dataset", "stdlib-docs", "--batches", "2", "--json", home=home)
+    assert alone["tokens"] == full["tokens"] > 0
+    assert alone["loss"] == pytest.approx(restricted["loss"], rel=1e-5)
+    assert alone["loss"] != pytest.approx(full["loss"], rel=1e-4)
+    bad = subprocess.run([sys.executable, "-m", "tokenloom.cli", "model", "export", s["run_dir"], "--out",
+                          str(tmp_path / "x"), "--layers", "7"], capture_output=True, text=True,
+                         env=dict(os.environ, TOKENLOOM_HOME=str(home)))
+    assert bad.returncode == 2 and "--layers" in bad.stderr

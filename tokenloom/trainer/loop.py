@@ -157,7 +157,9 @@ def train(
     end_step = train_cfg.stop_after or train_cfg.steps
     if start_step >= end_step:
         raise ValueError(f"checkpoint is at step {start_step}; nothing to do before step {end_step}")
-    total_loads = torch.zeros(model_cfg.n_layers, 4, model_cfg.n_experts)
+    late_loads = torch.zeros(model_cfg.n_layers, 4, model_cfg.n_experts)  # the last quarter of the run
+    late_from = end_step - max(1, (end_step - start_step) // 4)
+    window: list[StepStats] = []  # steps since the last log record
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
         sub = sample_submodel(model_cfg, step)
@@ -174,7 +176,8 @@ def train(
             tokens_seen += int((batch["labels"] != IGNORE_INDEX).sum()) * world
         stats.reduce(world)
         engine.module.update_router_bias(stats.loads, sub)  # same loads on every rank: same biases
-        total_loads += stats.loads
+        if step >= late_from:
+            late_loads += stats.loads
         train_seconds += time.perf_counter() - t0
         if world > 1:
             holder = torch.tensor([step_loss])
@@ -182,14 +185,18 @@ def train(
             step_loss = float(holder) / world
         losses.append(step_loss)
         recent = (recent + [stats])[-10:]
+        window.append(stats)
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.3f}")
-        if metrics is not None and (step % train_cfg.log_every == 0 or step == end_step - 1):
-            record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
-                      "tokens_per_second": tokens_seen / max(train_seconds, 1e-9), **stats.modality_losses(),
-                      "submodel": sub.describe()}
-            record.update(routing_metrics(stats.loads))
-            metrics.log(record)
+        if step % train_cfg.log_every == 0 or step == end_step - 1:
+            # per-modality losses over the steps since the last record: images and audio are rare
+            merged, window = _merge_recent(window), []
+            if metrics is not None:
+                record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                          "tokens_per_second": tokens_seen / max(train_seconds, 1e-9), **merged.modality_losses(),
+                          "submodel": sub.describe()}
+                record.update(routing_metrics(merged.loads))
+                metrics.log(record)
     bar.close()
 
     checkpoint = None
@@ -207,7 +214,8 @@ def train(
     if metrics is not None:
         metrics.close()
         plot = plot_loss(metrics.records, run_dir / "loss.png")
-        routing_plot = plot_routing(total_loads, run_dir / "routing.png")
+        routing_plot = plot_routing(late_loads, run_dir / "routing.png",
+                                    f"expert load / mean load, steps {late_from}-{end_step - 1} (1 = balanced)")
     return TrainResult(
         steps=end_step - start_step,
         first_loss=losses[0],

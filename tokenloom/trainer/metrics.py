@@ -54,7 +54,7 @@ def plot_loss(records: list[dict], out: Path) -> Path | None:
     return out
 
 
-def plot_routing(loads, out: Path) -> Path | None:
+def plot_routing(loads, out: Path, title: str = "expert load / mean load (1 = balanced)") -> Path | None:
     """Heatmap of each expert's share of the load, one row per (layer, modality), from loads [layers, 4, E]."""
     plt = _pyplot()
     if plt is None:
@@ -76,7 +76,7 @@ def plot_routing(loads, out: Path) -> Path | None:
     im = ax.imshow(grid, aspect="auto", cmap="coolwarm", vmin=0, vmax=2)
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.set_xlabel("expert")
-    ax.set_title("expert load / mean load (1 = balanced)", fontsize=9)
+    ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(out)
