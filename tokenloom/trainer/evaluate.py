@@ -7,7 +7,6 @@ token-weighted means per target modality (an audio frame counts its L codes).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
@@ -34,6 +33,3 @@ def evaluate(model: UnifiedModel, files: list[ShardFile], stream_cfg: StreamConf
     out["tokens"] = float(total)
     return out
 
-
-def mean_loss(results: list[dict]) -> float:
-    return float(np.mean([r["loss"] for r in results]))
