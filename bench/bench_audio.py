@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,8 +34,8 @@ def main() -> None:
     import torch
     import torchaudio
 
-    from tokenloom.datasets.speech import sound_clips, speech_clips
-    from tokenloom.runconfig import _coerce
+    from tokenloom.jobs.config import apply_overrides
+    from tokenloom.samples.audio import sound_clips, speech_clips
     from tokenloom.tokenizers.audio import AudioTokenizerConfig, evaluate, load_audio, train_audio
     from tokenloom.tokenizers.audio.train import heldout_clips
 
@@ -49,12 +48,10 @@ def main() -> None:
           f"{sum(len(w) for w in held) / 16000:.0f} s held out in {time.perf_counter() - t:.0f} s", flush=True)
     cfg = AudioTokenizerConfig(max_minutes=args.minutes, threads=args.threads,
                                eval_every_s=max(60.0, args.minutes * 60 / 5))
-    hints = typing.get_type_hints(AudioTokenizerConfig)
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in hints:
-            raise SystemExit(f"unknown audio_tokenizer key {key!r}")
-        setattr(cfg, key, _coerce(value, hints[key], key))
+    try:
+        apply_overrides(cfg, args.set, "audio_tokenizer.")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     result = train_audio(train, held, cfg, out / "bundles", out / "run", resume=args.resume, progress=True)
 
     torch.set_num_threads(1)

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from tokenloom.catalog import CatalogConfig, TokenCatalog
-from tokenloom.datasets.samples import write_source_corpus
 from tokenloom.platform.config import IngestConfig
 from tokenloom.platform.ingest import ensure_ray, run_ingest
+from tokenloom.samples.text import write_source_corpus
 from tokenloom.tokenizers.text import TextTokenizer, TextTokenizerConfig, train_text_tokenizer
 from tokenloom.tokenizers.vocab import VocabManifest
 

@@ -38,8 +38,8 @@ def step_flops(cfg, batch) -> float:
     from tokenloom.model.unified import mask_indices
 
     B, P = batch["modality"].shape
-    D, H = cfg.dim, cfg.expert_hidden
-    per_token_layer = 2 * (4 * D * D + D * cfg.n_experts + 3 * D * H * (cfg.top_k + cfg.n_shared_experts))
+    D, H, moe = cfg.dim, cfg.moe.expert_hidden, cfg.moe
+    per_token_layer = 2 * (4 * D * D + D * moe.n_experts + 3 * D * H * (moe.top_k + moe.n_shared_experts))
     targets = int((batch["labels"][..., 0] != -100).sum())
     audio = int((batch["labels"][..., 1:] != -100).sum()) if batch["labels"].shape[-1] > 1 else 0
     visible = int(dense_allowed_mask(mask_indices(batch), causal=False, seq_q=P).sum())  # (query, key) pairs
@@ -59,21 +59,18 @@ def main() -> None:
 
     import torch
 
-    from tokenloom.api import Home, demo_config, open_catalog
     from tokenloom.datasets import TokenStream, shard_files
+    from tokenloom.jobs.config import load_run_config
+    from tokenloom.jobs.home import Home, open_catalog
     from tokenloom.model import UnifiedModel
-    from tokenloom.runconfig import _apply, _nest, parse_overrides
-    from tokenloom.tokenizers.vocab import VocabManifest
+    from tokenloom.trainer.fit import fit_to_vocabulary
 
-    cfg = demo_config()
-    _apply(cfg, _nest(parse_overrides(args.set)), "")
+    cfg = load_run_config("demo", args.set)
     home = Home(Path(args.home))
     catalog = open_catalog(home, cfg)
     summary = catalog.summary(args.dataset)
-    vocab = VocabManifest.load(home.vocab / f"{summary['vocab_id']}.json")
-    cfg.model.vocab_size = vocab.size
-    cfg.model.audio_ranges = tuple((r.start, r.stop) for r in vocab.audio)
-    cfg.stream.group_size = max(1, len(vocab.audio))
+    vocab = home.manifest(summary["vocab_id"])
+    fit_to_vocabulary(cfg.model, cfg.stream, vocab.size, [(r.start, r.stop) for r in vocab.audio])
     stream = TokenStream(shard_files(catalog, args.dataset), cfg.stream)
     rows = stream.batches(cfg.train.micro_batch_size)
     torch.manual_seed(0)
@@ -89,8 +86,8 @@ def main() -> None:
         opt.step()
 
     peaks = {False: matmul_peak(torch.float32), True: matmul_peak(torch.bfloat16)}
-    print(f"model: dim {cfg.model.dim}, {cfg.model.n_layers} layers, {cfg.model.n_experts} experts top-"
-          f"{cfg.model.top_k} + {cfg.model.n_shared_experts} shared, {sum(p.numel() for p in model.parameters()):,} "
+    print(f"model: dim {cfg.model.dim}, {cfg.model.n_layers} layers, {cfg.model.moe.n_experts} experts top-"
+          f"{cfg.model.moe.top_k} + {cfg.model.moe.n_shared_experts} shared, {sum(p.numel() for p in model.parameters()):,} "
           f"parameters; rows {cfg.train.micro_batch_size} x {cfg.stream.seq_len}; torch threads {torch.get_num_threads()}")
     print(f"matmul peak (1024^3): fp32 {peaks[False] / 1e9:.1f} GFLOP/s, bf16 {peaks[True] / 1e9:.1f} GFLOP/s")
     tokens = sum(int((b["labels"] != -100).sum()) for b in batches[1:])

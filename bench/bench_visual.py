@@ -20,14 +20,13 @@ import json
 import subprocess
 import sys
 import time
-import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def variant_config(name: str, args):
-    from tokenloom.runconfig import _coerce
+    from tokenloom.jobs.config import apply_overrides
     from tokenloom.tokenizers.visual import VisualTokenizerConfig
 
     spec, *overrides = name.split(":")  # "dual-vq:vq_cosine=true:lr=0.001"
@@ -36,17 +35,15 @@ def variant_config(name: str, args):
                                 image_size=args.image_size, factor=args.factor, threads=args.threads,
                                 eval_every_s=max(60.0, args.minutes * 60 / 5), checkpoint_every_s=120.0,
                                 batch_size=args.batch_size)
-    hints = typing.get_type_hints(VisualTokenizerConfig)
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key not in hints:
-            raise SystemExit(f"unknown visual_tokenizer key {key!r} in variant {name!r}")
-        setattr(cfg, key, _coerce(value, hints[key], key))
+    try:
+        apply_overrides(cfg, overrides, "visual_tokenizer.")
+    except ValueError as exc:
+        raise SystemExit(f"variant {name!r}: {exc}") from None
     return cfg
 
 
 def train_one(name: str, args) -> None:
-    from tokenloom.datasets.samples import sample_photos
+    from tokenloom.samples.images import sample_photos
     from tokenloom.tokenizers.visual import matched_baseline, train_visual
 
     cfg = variant_config(name, args)
@@ -91,7 +88,7 @@ def main() -> None:
 
     import torch
 
-    from tokenloom.datasets.samples import sample_photos
+    from tokenloom.samples.images import sample_photos
     from tokenloom.tokenizers.visual import evaluate, load_visual
     from tokenloom.tokenizers.visual.train import heldout_crops
 

@@ -11,7 +11,7 @@ timeout 240 "$PY" - "$OUT_DIR" <<'PY' 2>&1 | tee "$OUT_DIR/audio-bench.txt" || s
 import json, sys, time
 from pathlib import Path
 import torch
-from tokenloom.datasets.speech import sound_clips, speech_clips
+from tokenloom.samples.audio import sound_clips, speech_clips
 from tokenloom.tokenizers.audio import AudioTokenizer, AudioTokenizerConfig, train_audio
 
 out = Path(sys.argv[1])

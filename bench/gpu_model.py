@@ -19,48 +19,42 @@ import numpy as np
 
 
 def synthetic_shard(path: Path, samples: int, levels: int, seed: int = 0):
+    """A shard of text, 16 x 16 images with captions and audio with transcripts, laid out by
+    `tokenizers.sequence` over a manifest of 7,984 text ids, 4,096 visual codes and `levels`
+    RVQ levels of 1,024: (shard file, vocabulary size, audio ranges)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from tokenloom.catalog.schema import SEGMENT_TYPE
     from tokenloom.datasets import ShardFile
+    from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
+    from tokenloom.tokenizers.vocab import VocabManifest
 
     rng = np.random.default_rng(seed)
-    text, visual, audio0, cb = (16, 8000), (8000, 12096), 12096, 1024
-
-    def seg(m, s, n, grid=(), att="causal"):
-        return {"modality": m, "start": s, "length": n, "grid": list(grid), "attention": att}
-
+    vocab = VocabManifest.build(7984, visual_size=4096, audio_levels=levels, audio_codebook=1024)
+    layout = SampleLayout(vocab)
     # learnable structure: text from a bank of phrases, images and audio from banks of code patterns
-    phrases = [rng.integers(*text, int(rng.integers(4, 12))) for _ in range(64)]
-    images = [rng.integers(*visual, 256) for _ in range(32)]
-    sounds = [rng.integers(0, cb, (400, levels)) for _ in range(32)]
+    phrases = [rng.integers(0, vocab.text.size, int(rng.integers(4, 12))) for _ in range(64)]
+    images = [rng.integers(0, vocab.visual.size, (16, 16)) for _ in range(32)]
+    sounds = [rng.integers(0, 1024, (400, levels)) for _ in range(32)]
 
     def words(n):
-        out = np.concatenate([phrases[i] for i in rng.integers(0, len(phrases), n // 4 + 1)])
-        return out[:n]
+        return TextPart(np.concatenate([phrases[i] for i in rng.integers(0, len(phrases), n // 4 + 1)])[:n])
 
-    rows, segs = [], []
+    rows = []
     for k in range(samples):
         kind = k % 3
         if kind == 0:
-            n = int(rng.integers(100, 800))
-            rows.append(words(n))
-            segs.append([seg("text", 0, n)])
+            rows.append(layout.assemble([words(int(rng.integers(98, 798)))]))
         elif kind == 1:
-            cap = int(rng.integers(5, 40))
-            rows.append(np.r_[1, 3, images[int(rng.integers(len(images)))], 4, words(cap), 2])
-            segs.append([seg("text", 0, 2), seg("image", 2, 256, (16, 16), "bidirectional"), seg("text", 258, cap + 2)])
+            rows.append(layout.assemble([ImagePart(images[int(rng.integers(len(images)))]),
+                                         words(int(rng.integers(5, 40)))]))
         else:
-            frames, n_words = int(rng.integers(50, 300)), int(rng.integers(5, 40))
-            codes = (audio0 + np.arange(levels) * cb + sounds[int(rng.integers(len(sounds)))][:frames]).reshape(-1)
-            rows.append(np.r_[1, 5, codes, 6, words(n_words), 2])
-            segs.append([seg("text", 0, 2), seg("audio", 2, frames * levels, (frames, levels), "window"),
-                         seg("text", 2 + frames * levels, n_words + 2)])
-    pq.write_table(pa.table({"tokens": pa.array([r.tolist() for r in rows], pa.list_(pa.int32())),
-                             "segments": pa.array(segs, pa.list_(SEGMENT_TYPE))}), path)
-    return ShardFile(str(path), samples), audio0 + levels * cb, tuple((audio0 + i * cb, audio0 + (i + 1) * cb)
-                                                                     for i in range(levels))
+            sound = sounds[int(rng.integers(len(sounds)))][: int(rng.integers(50, 300))]
+            rows.append(layout.assemble([AudioPart(sound), words(int(rng.integers(5, 40)))]))
+    pq.write_table(pa.table({"tokens": pa.array([t.tolist() for t, _ in rows], pa.list_(pa.int32())),
+                             "segments": pa.array([s for _, s in rows], pa.list_(SEGMENT_TYPE))}), path)
+    return ShardFile(str(path), samples), vocab.size, tuple((r.start, r.stop) for r in vocab.audio)
 
 
 def main() -> None:
@@ -80,7 +74,7 @@ def main() -> None:
 
     from tokenloom.datasets import StreamConfig, TokenStream
     from tokenloom.kernels import flashmask_attention
-    from tokenloom.model import ModelConfig, UnifiedModel
+    from tokenloom.model import ModelConfig, MoEConfig, UnifiedModel
     from tokenloom.model.unified import mask_indices
 
     out = Path(args.out)
@@ -92,7 +86,7 @@ def main() -> None:
     stream = TokenStream([shard], StreamConfig(seq_len=args.seq, group_size=8, audio_window=64))
     rows = stream.batches(args.batch)
     cfg = ModelConfig(vocab_size=vocab, audio_ranges=ranges, dim=args.dim, n_layers=args.layers, n_heads=args.dim // 64,
-                      n_experts=args.experts, top_k=args.top_k, expert_hidden=args.dim // 2, mtp=True)
+                      moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, expert_hidden=args.dim // 2), mtp=True)
     torch.manual_seed(0)
     model = UnifiedModel(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=on_gpu)
@@ -108,8 +102,9 @@ def main() -> None:
     tri = flashmask_attention(q, k, v, idx, causal=False, backend="triton" if on_gpu else "torch").float()
     ref = flashmask_attention(q, k, v, idx, causal=False, backend="dense").float()
     err = float((tri - ref).abs().max())
-    report = {"triton_vs_dense_max_abs_err": err, "config": {k: getattr(cfg, k) for k in
-              ("dim", "n_layers", "n_experts", "top_k", "expert_hidden")}, "seq": args.seq, "batch": args.batch}
+    report = {"triton_vs_dense_max_abs_err": err, "config": {"dim": cfg.dim, "n_layers": cfg.n_layers,
+              "n_experts": cfg.moe.n_experts, "top_k": cfg.moe.top_k, "expert_hidden": cfg.moe.expert_hidden},
+              "seq": args.seq, "batch": args.batch}
     print(f"triton vs dense attention on the batch's mask: max |diff| {err:.3e}", flush=True)
 
     losses, tokens, t_train = [], 0, 0.0
@@ -120,7 +115,7 @@ def main() -> None:
         sync()
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-            loss, parts = model.loss(b)
+            loss, parts = model.loss(b, indices=mask_indices(b))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

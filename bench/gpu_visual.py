@@ -29,7 +29,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/out/gpu")
     p.add_argument("--train-minutes", type=float, default=2.0)
     args = p.parse_args()
-    from tokenloom.datasets.samples import sample_photos
+    from tokenloom.samples.images import sample_photos
     from tokenloom.tokenizers.visual import (
         VisualTokenizer,
         VisualTokenizerConfig,

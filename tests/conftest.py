@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def stdlib_corpus(tmp_path_factory) -> Path:
-    from tokenloom.datasets.samples import write_sample_corpus
+    from tokenloom.samples.text import write_sample_corpus
 
     return write_sample_corpus(tmp_path_factory.mktemp("corpus"), max_bytes=150_000, with_bad_inputs=False)
 

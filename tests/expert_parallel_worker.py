@@ -5,7 +5,8 @@
 With WORLD_SIZE 1 it is the single-process reference; with 2 ranks and EP_SIZE 2 each rank holds
 half of the experts and half of the same global batch. Results go to OUT_DIR as JSON and .pt
 files for the test to compare:
-  dispatch_rank{r}.json  AllToAllDispatch against the local experts (forward and gradients)
+  dispatch_{impl}_rank{r}.json  AllToAllDispatch against the local experts (forward and gradients),
+                         with the experts run grouped and as a loop (MoEConfig.impl)
   adamw.json             per-step global mean loss and grad norm, ZeRO-1 + AdamW, clipping at 1.0;
                          and the last 3 steps again, resumed from a DeepSpeed checkpoint of step 2
   sgd_{clip}.pt          one SGD step (lr 1): the full parameter update, i.e. the gradient DeepSpeed
@@ -31,8 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenloom.datasets.stream import pack_row, sample_positions
-from tokenloom.model import ModelConfig, SubModel, UnifiedModel
+from tokenloom.model import ModelConfig, MoEConfig, SubModel, UnifiedModel
 from tokenloom.model.moe import MoE
+from tokenloom.model.unified import mask_indices
 from tokenloom.trainer.config import TrainConfig
 from tokenloom.trainer.distributed import init_distributed
 from tokenloom.trainer.expert_parallel import (
@@ -45,6 +47,7 @@ from tokenloom.trainer.loop import StepStats
 
 VOCAB, DIM, N_EXPERTS, TOP_K, HIDDEN, N_LAYERS = 64, 32, 4, 2, 32, 2
 GLOBAL_BATCH, SEQ = 8, 17
+MOE = MoEConfig(n_experts=N_EXPERTS, top_k=TOP_K, expert_hidden=HIDDEN)
 
 
 class TinyMoELM(nn.Module):
@@ -54,7 +57,7 @@ class TinyMoELM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.norms = nn.ModuleList(nn.RMSNorm(DIM) for _ in range(N_LAYERS))
-        self.moes = nn.ModuleList(MoE(DIM, N_EXPERTS, TOP_K, HIDDEN) for _ in range(N_LAYERS))
+        self.moes = nn.ModuleList(MoE(DIM, MOE) for _ in range(N_LAYERS))
         self.final_norm = nn.RMSNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -112,10 +115,10 @@ def train_step(engine, tokens: torch.Tensor, world: int) -> float:
     return float(mean) / world
 
 
-def check_dispatch(out: Path, rank: int) -> None:
+def check_dispatch(out: Path, rank: int, impl: str) -> None:
     """AllToAllDispatch equals the local experts: outputs, input grads, expert grads (summed over ranks)."""
     torch.manual_seed(0)
-    ref = MoE(DIM, N_EXPERTS, TOP_K, HIDDEN)
+    ref = MoE(DIM, MoEConfig(n_experts=N_EXPERTS, top_k=TOP_K, expert_hidden=HIDDEN, impl=impl))
     holder = nn.ModuleList([copy.deepcopy(ref)])
     info = apply_expert_parallel(holder, ep_size=2)
     ep = holder[0]
@@ -146,13 +149,14 @@ def check_dispatch(out: Path, rank: int) -> None:
             "expert_grad_scale": float(gu_ref[first:last].abs().max()),
         }
     results["shapes"] = {"gate_up": list(ep.experts.gate_up.shape), "down": list(ep.experts.down.shape)}
-    (out / f"dispatch_rank{rank}.json").write_text(json.dumps(results))
+    (out / f"dispatch_{impl}_rank{rank}.json").write_text(json.dumps(results))
 
 
 def main(out: Path, ep_size: int) -> None:
     rank, world = init_distributed()
     if world > 1:
-        check_dispatch(out, rank)
+        for impl in ("grouped", "loop"):
+            check_dispatch(out, rank, impl)
     check_unified(out, rank, world)
     tokens = global_batch()
     per_rank = GLOBAL_BATCH // world
@@ -188,7 +192,7 @@ def main(out: Path, ep_size: int) -> None:
 
 # -- the real model, trained as tokenloom.trainer.loop trains it -------------------------------
 
-UNIFIED_ROWS, UNIFIED_SEQ = 4, 48
+UNIFIED_ROWS, UNIFIED_SEQ = 4, 56
 # The steps' sub-models: full, elastic width + sparsity (expert 2 gets no rows: rank 1 computes
 # for one expert only), elastic depth (layer 0's experts get no gradient), full again.
 UNIFIED_SUBMODELS = [SubModel(), SubModel(), SubModel(experts=(0, 1, 3), top_k=1), SubModel(layers=(1,)),
@@ -196,9 +200,10 @@ UNIFIED_SUBMODELS = [SubModel(), SubModel(), SubModel(experts=(0, 1, 3), top_k=1
 
 
 def unified_config() -> ModelConfig:
-    return ModelConfig(vocab_size=mm.VOCAB, audio_ranges=mm.AUDIO_RANGES, dim=32, n_layers=2, n_heads=2, n_experts=4,
-                       top_k=2, expert_hidden=32, mtp=True, seq_balance_weight=1e-2, router_z_weight=1e-3,
-                       router_bias_update=1e-2)
+    moe = MoEConfig(n_experts=4, top_k=2, expert_hidden=32, seq_balance_weight=1e-2, router_z_weight=1e-3,
+                    router_bias_update=1e-2)
+    return ModelConfig(vocab_size=mm.VOCAB, audio_ranges=mm.AUDIO_RANGES, dim=32, n_layers=2, n_heads=2, moe=moe,
+                       mtp=True)
 
 
 def unified_rows() -> list[dict[str, np.ndarray]]:
@@ -249,13 +254,14 @@ def check_unified(out: Path, rank: int, world: int) -> None:
     opt = torch.optim.AdamW(optimizer_param_groups(model, train_cfg.weight_decay), lr=train_cfg.lr,
                             betas=train_cfg.betas)
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=opt, config=train_cfg.deepspeed_config())
+    indices = mask_indices(batch)  # once per micro-batch, as the trainer does
     steps = []
     # The body of the loop in tokenloom.trainer.loop.train, in fp32 (train.precision=fp32; "auto"
     # would autocast to bf16 on CPUs with AMX). DeepSpeed's WarmupCosineLR gives steps 0 and 1 lr 0,
     # so steps 2-5 (both restricted sub-models among them) update the weights.
     for sub in UNIFIED_SUBMODELS:
-        stats = StepStats(cfg.n_layers, cfg.n_experts)
-        loss, parts = engine.module.loss(batch, sub)
+        stats = StepStats(cfg.n_layers, cfg.moe.n_experts)
+        loss, parts = engine.module.loss(batch, sub, indices=indices)
         engine.backward(loss)
         engine.step()
         stats.add(parts, engine.module.routing_loads())

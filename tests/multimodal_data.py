@@ -1,7 +1,9 @@
 """Small multimodal token shards in the shard contract's layout, for model and stream tests.
 
-Vocabulary (400 ids): specials 0-15, text 16-199, visual 200-299, audio level 0 300-349, level 1 350-399.
-Samples: `<bos><boi> image <eoi> caption <eos>`, `<bos><boa> frames x 2 codes <eoa> transcript <eos>`, plain text.
+The vocabulary is a real manifest (400 ids: specials 0-15, text 16-199, visual 200-299, audio
+level 0 300-349, level 1 350-399) and samples are laid out by `tokenizers.sequence`, the same
+code the ingestion pools use: `<bos><boi> image <eoi> caption <eos>`, `<bos><boa> frames x 2
+codes <eoa> transcript <eos>`, and plain text `<bos> text <eos>`.
 """
 
 from __future__ import annotations
@@ -12,29 +14,29 @@ import pyarrow.parquet as pq
 
 from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.datasets import ShardFile
+from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
+from tokenloom.tokenizers.vocab import VocabManifest
 
-VOCAB = 400
-AUDIO_RANGES = ((300, 350), (350, 400))
+MANIFEST = VocabManifest.build(184, visual_size=100, audio_levels=2, audio_codebook=50)
+LAYOUT = SampleLayout(MANIFEST)
+VOCAB = MANIFEST.size
+AUDIO_RANGES = tuple((r.start, r.stop) for r in MANIFEST.audio)
 
 
-def seg(modality, start, length, grid=(), attention=None):
-    return {"modality": modality, "start": start, "length": length, "grid": list(grid),
-            "attention": attention or {"text": "causal", "image": "bidirectional", "audio": "window"}[modality]}
+def _text(rng, n):
+    return TextPart(rng.integers(0, MANIFEST.text.size, n))
 
 
 def image_sample(rng, h=3, w=4, caption=5):
-    toks = np.r_[1, 3, rng.integers(200, 300, h * w), 4, rng.integers(16, 200, caption), 2]
-    return toks, [seg("text", 0, 2), seg("image", 2, h * w, (h, w)), seg("text", 2 + h * w, caption + 2)]
+    return LAYOUT.assemble([ImagePart(rng.integers(0, MANIFEST.visual.size, (h, w))), _text(rng, caption)])
 
 
 def audio_sample(rng, frames=10, transcript=4):
-    codes = np.stack([rng.integers(300, 350, frames), rng.integers(350, 400, frames)], 1).reshape(-1)
-    toks = np.r_[1, 5, codes, 6, rng.integers(16, 200, transcript), 2]
-    return toks, [seg("text", 0, 2), seg("audio", 2, 2 * frames, (frames, 2)), seg("text", 2 + 2 * frames, transcript + 2)]
+    return LAYOUT.assemble([AudioPart(rng.integers(0, 50, (frames, 2))), _text(rng, transcript)])
 
 
 def text_sample(rng, n=30):
-    return rng.integers(16, 200, n), [seg("text", 0, n)]
+    return LAYOUT.assemble([_text(rng, n - 2)])
 
 
 def write_shard(path, samples) -> ShardFile:

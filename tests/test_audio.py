@@ -10,8 +10,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from tokenloom.datasets.audio import AudioProblem, probe, read_blocks
-from tokenloom.datasets.speech import speech_clips, synthesize, tone, write_bad_audio, write_odd_audio
+from tokenloom.datasets.audio import AudioProblem, probe, read_blocks, read_mono, to_mono
+from tokenloom.samples.audio import speech_clips, synthesize, tone, write_bad_audio, write_odd_audio
 from tokenloom.tokenizers.audio import (
     AudioTokenizer,
     AudioTokenizerConfig,
@@ -19,7 +19,6 @@ from tokenloom.tokenizers.audio import (
     evaluate,
     load_audio,
     publish_bundle,
-    to_mono_16k,
     train_audio,
 )
 
@@ -105,9 +104,9 @@ def test_chunked_encoding_of_a_long_file_has_every_frame(tmp_path):
     sf.write(path, np.stack([tone((200.0,), 7.3, 44_100)] * 2, axis=1), 44_100, subtype="PCM_16")
     blocks = list(read_blocks(path, 0.7))
     assert max(len(b) for b in blocks) == 30_870, "memory is bounded by the block (0.7 s in whole 441-sample units)"
-    codes = encode_long(model, read_blocks(path, 0.7), probe(path).sample_rate)
+    codes = encode_long(model, read_mono(path, 0.7))
     assert codes.shape == (-(-int(7.3 * 16_000) // 320), 4)
-    whole = model.encode(torch.from_numpy(to_mono_16k(sf.read(path, dtype="float32")[0], 44_100))[None, None])[0]
+    whole = model.encode(torch.from_numpy(to_mono(sf.read(path, dtype="float32")[0], 44_100))[None, None])[0]
     assert (codes[:, 0] == whole[:, 0].numpy()).mean() > 0.8, "chunking changes codes only near the seams"
 
 
@@ -132,7 +131,7 @@ def test_bad_audio_gives_reasons_and_odd_audio_is_normalized(tmp_path):
     odd = write_odd_audio(tmp_path / "odd")
     for name in odd:
         info = probe(tmp_path / "odd" / name)
-        mono = np.concatenate([to_mono_16k(b, info.sample_rate) for b in read_blocks(tmp_path / "odd" / name, 10)])
+        mono = np.concatenate([to_mono(b, info.sample_rate) for b in read_blocks(tmp_path / "odd" / name, 10)])
         assert abs(len(mono) - 16_000) <= 2, name  # 1 s at any rate and channel count -> 16,000 samples
         assert np.isfinite(mono).all() and np.abs(mono).max() <= 1.0
     with pytest.raises(AudioProblem, match="sample rate 4000 Hz outside"):

@@ -2,7 +2,7 @@
 
 tests/expert_parallel_worker.py runs once alone (world 1, all experts local, the reference) and
 once as 2 gloo ranks with ep_size 2 (experts split in halves, each rank half of the same global
-batch). The comparisons: the all-to-all dispatcher against local experts, the per-step losses of
+batch). The comparisons: the all-to-all dispatcher against local experts (run grouped and as a loop), the per-step losses of
 a ZeRO-1 + AdamW run (and of its resumption from a checkpoint), and, exactly, the update of one SGD step with lr 1, which is the gradient
 DeepSpeed reduced and applied, for every weight (experts gathered back to full tensors).
 """
@@ -65,10 +65,11 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.integration
-def test_all_to_all_dispatch_matches_local_experts(runs):
+@pytest.mark.parametrize("impl", ["grouped", "loop"])
+def test_all_to_all_dispatch_matches_local_experts(runs, impl):
     _, par = runs
     for rank in (0, 1):
-        result = json.loads((par / f"dispatch_rank{rank}.json").read_text())
+        result = json.loads((par / f"dispatch_{impl}_rank{rank}.json").read_text())
         assert result["shapes"] == {"gate_up": [2, 32, 64], "down": [2, 32, 32]}  # 2 of 4 experts here
         for case in ("all_experts", "rank1_receives_nothing"):
             r = result[case]
@@ -76,8 +77,8 @@ def test_all_to_all_dispatch_matches_local_experts(runs):
                 assert r[key] < 1e-6, (rank, case, key, r[key])
             for key in ("gate_up_grad", "down_grad"):
                 assert r[key] < 1e-5 * max(r["expert_grad_scale"], 1e-3), (rank, case, key, r)
-    rank0 = json.loads((par / "dispatch_rank0.json").read_text())
-    rank1 = json.loads((par / "dispatch_rank1.json").read_text())
+    rank0 = json.loads((par / f"dispatch_{impl}_rank0.json").read_text())
+    rank1 = json.loads((par / f"dispatch_{impl}_rank1.json").read_text())
     assert rank0["all_experts"]["expert_grad_scale"] > 0 and rank1["all_experts"]["expert_grad_scale"] > 0
     # routing restricted to experts 0 and 1: rank 1 gets no rows, yet joined every exchange
     assert rank0["rank1_receives_nothing"]["expert_grad_scale"] > 0

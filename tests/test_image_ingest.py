@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from tokenloom import api
 from tokenloom.datasets import sources
-from tokenloom.datasets.samples import write_bad_images, write_odd_images, write_sample_images
-from tokenloom.runconfig import RunConfig
+from tokenloom.jobs.config import RunConfig
+from tokenloom.jobs.home import Home, open_catalog
+from tokenloom.jobs.ingest import ingest
+from tokenloom.jobs.tokenizer import decode_sample
+from tokenloom.platform.ingest import shutdown_ray
+from tokenloom.samples.images import write_bad_images, write_odd_images, write_sample_images
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +27,7 @@ def ingested(tmp_path_factory, text_bundle):
     from tokenloom.tokenizers.visual.train import publish_bundle
 
     root = tmp_path_factory.mktemp("image-ingest")
-    home = api.Home(root / "home")
+    home = Home(root / "home")
     inputs = root / "inputs"
     write_sample_images(inputs / "photos", with_bad_inputs=False, variants=1)
     bad = write_bad_images(inputs / "bad")
@@ -47,6 +50,7 @@ def ingested(tmp_path_factory, text_bundle):
     # bundles: the shared text BPE and an (untrained) tiny visual tokenizer: ingestion is what is tested
     torch.manual_seed(0)
     cfg = RunConfig()
+    cfg.ingest.text_first = 0.0  # media first in every sample: the layout checks below read it so
     cfg.visual_tokenizer = VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1,
                                                  vit_heads=2, fusion_heads=2, max_pixels=64 * 64)
     untrained = VisualTokenizer(cfg.visual_tokenizer)
@@ -55,9 +59,9 @@ def ingested(tmp_path_factory, text_bundle):
     shutil.copytree(text_bundle.path, home.bundles / text_bundle.id)
     cfg.ingest.ray.progress_bars = False
     cfg.ingest.ray.num_cpus = 0
-    result = api.ingest(home, [inputs], "mixed", cfg, text_bundle=text_bundle.id, visual_bundle=visual.id)
-    api.shutdown_ray()
-    rows = api.open_catalog(home, cfg).scan("mixed").to_pylist()
+    result = ingest(home, [inputs], "mixed", cfg, {"text": text_bundle.id, "visual": visual.id})
+    shutdown_ray()
+    rows = open_catalog(home, cfg).scan("mixed").to_pylist()
     return home, cfg, inputs, result, rows, bad, odd, visual
 
 
@@ -137,7 +141,7 @@ def test_image_samples_follow_the_shard_contract(ingested):
 def test_decode_turns_a_sample_back_into_its_image(ingested, tmp_path):
     home, cfg, inputs, result, rows, *_ = ingested
     sample = next(r for r in rows if r["source"].endswith("retina.jpg"))
-    doc = api.decode_sample(home, cfg, "mixed", sample["sample_id"], tmp_path / "retina")  # no suffix: PNG
+    doc = decode_sample(home, cfg, "mixed", sample["sample_id"], tmp_path / "retina")  # no suffix: PNG
     from PIL import Image
 
     decoded = np.asarray(Image.open(doc["images"][0]))
@@ -146,7 +150,7 @@ def test_decode_turns_a_sample_back_into_its_image(ingested, tmp_path):
     caption = (inputs / "photos" / "retina.txt").read_text().strip()
     assert any(caption in t for t in doc["text"])
     with pytest.raises(ValueError, match="no sample"):
-        api.decode_sample(home, cfg, "mixed", "nope", tmp_path / "x.png")
+        decode_sample(home, cfg, "mixed", "nope", tmp_path / "x.png")
 
 
 def test_image_pool_worker_edge_cases(tmp_path, text_bundle):
@@ -158,6 +162,7 @@ def test_image_pool_worker_edge_cases(tmp_path, text_bundle):
 
     from tokenloom.platform.ingest import RECORD_SCHEMA
     from tokenloom.platform.workers import ImagePoolWorker
+    from tokenloom.tokenizers.sequence import TextPart
     from tokenloom.tokenizers.visual import VisualTokenizer, VisualTokenizerConfig
     from tokenloom.tokenizers.visual.train import publish_bundle
     from tokenloom.tokenizers.vocab import VocabManifest
@@ -191,3 +196,16 @@ def test_image_pool_worker_edge_cases(tmp_path, text_bundle):
     assert out[0]["tokens"][-2:] == [vocab.specials["<eoi>"], vocab.eos_id], "no caption: <eoi> <eos>"
     assert out[1]["tokens"] is None and out[1]["error"].startswith("content is not an image")
     assert out[2]["error"] == "quarantined upstream" and out[2]["tokens"] is None
+
+    # ingest.text_first: that share of captioned images is laid out caption first (text -> image)
+    first = ImagePoolWorker({"text": str(text_bundle.path), "visual": str(visual.path)}, vocab.to_dict(), 1.0)
+    row = {"sample_id": "c", "payload": "a thin grey bar", "blob": thin.getvalue(), "modality": "image"}
+    out = first(batch([row])).to_pylist()[0]
+    assert [s["modality"] for s in out["segments"]] == ["text", "image", "text"]
+    assert out["tokens"][-2:] == [vocab.specials["<eoi>"], vocab.eos_id] and out["segments"][0]["length"] > 2
+    ids = [f"sample-{i}" for i in range(2000)]
+    share = np.mean([isinstance(first._layout(i, [object()], np.zeros(1))[0], TextPart) for i in ids])
+    assert share == 1.0
+    first.text_first = 0.5
+    share = np.mean([isinstance(first._layout(i, [object()], np.zeros(1))[0], TextPart) for i in ids])
+    assert 0.45 < share < 0.55  # a fixed hash of the sample id picks half

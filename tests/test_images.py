@@ -22,7 +22,7 @@ from tokenloom.datasets.images import (
     is_caption_of_image,
     read_caption,
 )
-from tokenloom.datasets.samples import (
+from tokenloom.samples.images import (
     HELD_OUT,
     PHOTOS,
     sample_photos,
@@ -422,3 +422,15 @@ def test_write_sample_images_is_idempotent_and_follows_its_settings(tmp_path):
     assert not (folder / "bad").exists() and not (folder / "odd").exists()
     assert (folder / "astronaut-crop1.jpg").exists() and not (folder / "astronaut-crop2.jpg").exists()
     assert not (folder / "astronaut-crop2.txt").exists()
+
+
+def test_sample_photos_decode_as_ingestion_decodes_them():
+    """samples/ decodes the bundled photos with Pillow alone; ingestion's decoder gives the same pixels."""
+    from importlib.resources import files
+
+    folder = files("skimage.data")
+    photos = sample_photos("all")
+    assert len(photos) == len(PHOTOS)
+    for name, (filename, _) in PHOTOS.items():
+        decoded, problem = decode_image((folder / filename).read_bytes(), max_decoded_pixels=100_000_000)
+        assert problem is None and np.array_equal(decoded.pixels, photos[name]), name

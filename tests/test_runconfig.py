@@ -1,6 +1,6 @@
 import pytest
 
-from tokenloom.runconfig import load_run_config
+from tokenloom.jobs.config import load_run_config
 
 
 def test_toml_then_overrides(tmp_path):
@@ -37,3 +37,28 @@ def test_bad_files(tmp_path):
     bad.write_text("[train\nsteps = 1")
     with pytest.raises(ValueError, match="not valid TOML"):
         load_run_config(bad)
+
+
+def test_warmup_follows_the_run_length_unless_set():
+    from tokenloom.trainer import TrainConfig
+
+    for steps, warmup in ((1, 1), (5, 1), (30, 3), (300, 30)):
+        cfg = TrainConfig(steps=steps)
+        cfg.validate()  # a plain run of any length is valid
+        assert cfg.warmup == warmup and cfg.deepspeed_config()["scheduler"]["params"]["warmup_num_steps"] == warmup
+    assert TrainConfig(steps=30, warmup_steps=7).warmup == 7
+    with pytest.raises(ValueError, match=r"train.warmup_steps \(31\) must be in \[0, train.steps=30\]"):
+        TrainConfig(steps=30, warmup_steps=31).validate()
+
+
+def test_recipes_load_by_name_and_differ_from_the_defaults():
+    from tokenloom.jobs.config import RECIPES, RunConfig
+
+    assert sorted(p.stem for p in RECIPES.glob("*.toml")) == ["demo", "gpu", "tiny"]
+    assert load_run_config("gpu").model.moe.n_experts == 64
+    tiny, demo = load_run_config("tiny"), load_run_config(RECIPES / "demo.toml")
+    assert (tiny.model.dim, tiny.train.steps, tiny.demo.corpus_bytes) == (64, 30, 400_000)
+    assert (demo.model.dim, demo.train.steps, demo.text_tokenizer.vocab_size) == (128, 300, 2048)
+    assert demo.visual_tokenizer != RunConfig().visual_tokenizer
+    with pytest.raises(FileNotFoundError, match="neither a file nor a recipe"):
+        load_run_config("no-such-recipe")

@@ -1,7 +1,7 @@
 from pathlib import Path
 
 from tokenloom.datasets import sources
-from tokenloom.datasets.samples import write_bad_inputs
+from tokenloom.samples.text import write_bad_inputs
 
 
 def test_bad_inputs_become_quarantine_records_with_reasons(tmp_path):

@@ -5,7 +5,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tokenloom.datasets import IGNORE_INDEX, ShardFile, StreamConfig, TokenStream
+from tokenloom.contract import IGNORE_INDEX
+from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ def ready(model: VisualTokenizer) -> VisualTokenizer:
 
 @pytest.fixture(scope="module")
 def photos():
-    from tokenloom.datasets.samples import sample_photos
+    from tokenloom.samples.images import sample_photos
 
     train = sample_photos("train")
     return [train["astronaut"], train["rocket"], train["camera"]], list(sample_photos("heldout").values())

@@ -1,8 +1,10 @@
-"""The `tokenloom` command: a thin shell over `tokenloom.api`.
+"""The `tokenloom` command: a thin shell over `tokenloom.jobs` that parses, calls a job, prints.
 
 Every reporting command takes `--json` (one JSON document on stdout, nothing else; `catalog
-query` says `--format json`) and `--home`. Mistakes a user can fix (unknown dataset, missing path, bad config) print one
-line on stderr and exit with status 2; anything else is a bug and keeps its traceback.
+query` says `--format json`) and `--home`. Mistakes a user can fix (unknown dataset, missing
+path, bad config, damaged bundle) print one line on stderr and exit with status 2; anything
+else is a bug and keeps its traceback. Options that take paths (`--images`, `--audio`,
+`--corpus`, `--heldout`) take several at once (`--images a.png b/ c.jpg`) or repeated.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, is_dataclass
 from datetime import UTC, datetime
@@ -40,20 +43,31 @@ err = Console(stderr=True)
 
 HomeOpt = Annotated[Path | None, typer.Option("--home", help="State folder (default ./.tokenloom or TOKENLOOM_HOME).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Run config (TOML).")]
+ConfigOpt = Annotated[str | None, typer.Option("--config", help="Run config: a TOML file or a recipe name from "
+                                                "configs/ (demo, tiny, gpu).")]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="Config overrides: key=value, e.g. train.steps=50")]
 CatalogUriOpt = Annotated[str | None, typer.Option("--catalog-uri", help="SQLAlchemy URI of the catalog "
                                                    "(default: SQLite under home; postgresql+psycopg2://...).")]
+HeldoutOpt = Annotated[list[Path] | None, typer.Option("--heldout", help="Held-out files for evaluation (default: "
+                                                       "10% of the inputs, chosen by path hash).")]
+MinutesOpt = Annotated[float | None, typer.Option("--max-minutes", help="Wall-clock budget (default: the config's).")]
+RunOpt = Annotated[str | None, typer.Option("--run", help="Run folder name under home/runs (checkpoints, metrics, "
+                                            "evaluations); with --resume, the run to continue.")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue from the run's checkpoint.")]
+OutOpt = Annotated[Path | None, typer.Option("--out", help="Folder for the pictures, recordings and metrics.json.")]
+BundleOpt = Annotated[str, typer.Option("--bundle", help="Bundle id, path, or `latest`.")]
+MULTI_PATH_OPTIONS = ("--images", "--audio", "--corpus", "--heldout")
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
 
 
 def _user_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from tokenloom.catalog import DatasetNotFound
+        from tokenloom.jobs.home import USER_ERRORS
 
         try:
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, DatasetNotFound, PermissionError) as exc:
+        except USER_ERRORS as exc:
             err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
@@ -89,26 +103,65 @@ def _emit_json(doc) -> None:
     sys.stdout.write(json.dumps(doc, default=default, indent=2) + "\n")
 
 
-def _setup(home: Path | None, config: Path | None = None, overrides: list[str] | None = None, base=None,
+def _setup(home: Path | None, config: Path | str | None = None, overrides: list[str] | None = None,
            catalog_uri: str | None = None):
-    from tokenloom import api
-    from tokenloom.runconfig import load_run_config
+    """(home, run config): the defaults, the config file or recipe, the overrides, the catalog URI."""
+    from tokenloom.jobs.config import load_run_config
+    from tokenloom.jobs.home import Home
 
-    cfg = load_run_config(config, overrides or [], base=base)
+    cfg = load_run_config(config, overrides or [])
     if catalog_uri:
         cfg.catalog.uri = catalog_uri
-    return api, api.Home.resolve(home), cfg
+    return Home.resolve(home), cfg
 
 
-def _tokenizer_setup(home, config, overrides, section: str, max_minutes: float | None, resume: bool, run):
-    """A tokenizer training's setup: bare `key=value` overrides belong to `section`."""
-    api, home_, cfg = _setup(home, config, [f"{section}.{o}" if "." not in o.split("=")[0] else o
-                                            for o in overrides or []])
-    if max_minutes is not None:
-        getattr(cfg, section).max_minutes = max_minutes
-    if resume and not run:
-        raise ValueError("--resume needs --run NAME (the run folder to continue)")
-    return api, home_, cfg
+def expand_multi_path_options(argv: list[str]) -> list[str]:
+    """`--images a b c` -> `--images a --images b --images c`, for the options that take paths:
+    the values run until the next option or `key=value` override."""
+    out, taking = [], None
+    for arg in argv:
+        if arg.startswith("-"):
+            taking = arg if arg in MULTI_PATH_OPTIONS else None
+            out.append(arg)
+        elif taking and out[-1] != taking and not _OVERRIDE.match(arg):
+            out += [taking, arg]
+        else:
+            if taking and out[-1] != taking:
+                taking = None
+            out.append(arg)
+    return out
+
+
+def parse_indices(text: str | None, what: str) -> tuple[int, ...] | None:
+    """'0,2,5' or '0-3,7' -> sorted unique indices (None for None); a clear error otherwise."""
+    if text is None:
+        return None
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise ValueError(f"{what} takes indices like 0,2,5 or 0-3, got {text!r}") from None
+    if not out:
+        raise ValueError(f"{what} {text!r} names no index")
+    return tuple(sorted(out))
+
+
+class _LazyCatalogJobs:
+    """`tokenloom.jobs.catalog`, imported on first use (the CLI starts without pyiceberg)."""
+
+    def __getattr__(self, name):
+        from tokenloom.jobs import catalog
+
+        return getattr(catalog, name)
+
+
+catalog_jobs = _LazyCatalogJobs()
 
 
 def _when(ms: int) -> str:
@@ -117,14 +170,20 @@ def _when(ms: int) -> str:
 
 @app.command()
 @_user_errors
-def demo(home: HomeOpt = None, json_out: JsonOpt = False, tiny: Annotated[bool, typer.Option(help="Test size.")] = False,
+def demo(home: HomeOpt = None, json_out: JsonOpt = False,
+         config: Annotated[str, typer.Option("--config", help="Recipe name or TOML file.")] = "demo",
+         data_only: Annotated[bool, typer.Option("--data-only", help="Only write the sample data into "
+                                                 "home/corpus and print where.")] = False,
          overrides: OverridesArg = None):
-    """The main job on the embedded defaults: corpus -> tokenizer -> ingest -> catalog -> train."""
-    from tokenloom import api
+    """The main job on a recipe (configs/demo.toml): sample data -> tokenizers -> ingest -> catalog -> train."""
+    from tokenloom.jobs import demo as demo_job
 
-    api_, home_, cfg = _setup(home, None, overrides, base=api.demo_config(tiny))
+    home_, cfg = _setup(home, config, overrides)
+    if data_only:
+        doc = demo_job.write_data(home_, cfg)
+        return _emit_json(doc) if json_out else console.print("\n".join(f"{k}: {v}" for k, v in doc.items()))
     with _quiet_stdout(json_out):
-        summary = api_.demo(home_, cfg, tiny=tiny, progress=not json_out)
+        summary = demo_job.demo(home_, cfg, progress=not json_out)
     if json_out:
         return _emit_json(summary)
     t = Table(title="TokenLoom demo", show_header=False)
@@ -154,6 +213,10 @@ def demo(home: HomeOpt = None, json_out: JsonOpt = False, tiny: Annotated[bool, 
         ("expert balance", f"max load / mean load - 1: {summary['routing'].get('all.max_violation', float('nan')):.2f}"
                            f" (mean over layers), load entropy {summary['routing'].get('all.load_entropy', 0):.3f}"),
         ("training tokens/s", f"{summary['train_tokens_per_second']:,.0f}"),
+        ("generated (poor at demo size)", f"caption of {Path(summary['generations']['photo']).name}: "
+                                          f"{summary['generations']['caption']['text']!r}; image "
+                                          f"{summary['generations']['image']['out']}; speech "
+                                          f"{summary['generations']['speech']['out']}"),
         ("home", summary["home"]),
         ("run (metrics, loss.png, routing.png)", summary["run_dir"]),
         ("checkpoint", str(summary["checkpoint"])),
@@ -172,126 +235,115 @@ def tokenizer_train_text(
     home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
 ):
     """Train a byte-level BPE (HF tokenizers) and publish it as a versioned bundle."""
-    api, home_, cfg = _setup(home, config, overrides)
+    from tokenloom.jobs import tokenizer as jobs
+
+    home_, cfg = _setup(home, config, _in_section(overrides, "text_tokenizer"))
     if vocab_size is not None:
         cfg.text_tokenizer.vocab_size = vocab_size
-    info = api.train_text(home_, corpus, cfg)
+    info = jobs.train_text(home_, corpus, cfg)
     doc = {"bundle_id": info.id, "path": str(info.path), "vocab_size": info.config["vocab_size"]}
     if json_out:
         return _emit_json(doc)
     console.print(f"text tokenizer [bold]{info.id}[/] ({doc['vocab_size']} tokens) at {info.path}")
 
 
-@tokenizer_train_app.command("visual")
-@_user_errors
-def tokenizer_train_visual(
-    images: Annotated[list[Path], typer.Option("--images", help="Image files or folders to train on.")],
-    heldout: Annotated[list[Path] | None, typer.Option("--heldout", help="Held-out images for evaluation "
-                                                       "(default: 10% of --images, chosen by path hash).")] = None,
-    max_minutes: Annotated[float | None, typer.Option("--max-minutes", help="Wall-clock budget "
-                                                      "(default: visual_tokenizer.max_minutes).")] = None,
-    run: Annotated[str | None, typer.Option("--run", help="Run folder name under home/runs (checkpoints, metrics, "
-                                            "eval grids); give an existing one with --resume to continue.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's checkpoint.")] = False,
-    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
-):
-    """Train the dual-path visual tokenizer (CNN + ViT, cross-attention fusion, quantizer) into a bundle."""
-    api, home_, cfg = _tokenizer_setup(home, config, overrides, "visual_tokenizer", max_minutes, resume, run)
+def _in_section(overrides: list[str] | None, section: str) -> list[str]:
+    """Bare `key=value` overrides of a tokenizer command belong to its config section."""
+    return [f"{section}.{o}" if "." not in o.split("=")[0] else o for o in overrides or []]
+
+
+def _train_media(kind: str, inputs, heldout, max_minutes, run, resume, home, json_out, config, overrides) -> None:
+    """`tokenizer train visual|audio`: one path for every media tokenizer (tokenizers.registry)."""
+    from tokenloom.jobs import tokenizer as jobs
+
+    section = jobs.config_section(kind)
+    home_, cfg = _setup(home, config, _in_section(overrides, section))
+    if max_minutes is not None:
+        getattr(cfg, section).max_minutes = max_minutes
     with _quiet_stdout(json_out):
-        r, skipped = api.train_visual(home_, images, cfg, heldout=heldout or (), run_name=run, resume=resume,
-                                      progress=not json_out)
-    doc = {"bundle_id": r.bundle.id, "path": str(r.bundle.path), "num_codes": r.bundle.config["num_codes"],
-           "parameters": r.parameters, "steps": r.steps, "seconds": round(r.seconds, 1),
-           "images_per_second": round(r.images_per_second, 2), "heldout": r.heldout, "run_dir": r.run_dir,
-           "rejected": [{"path": p, "reason": why} for p, why in skipped]}
+        trained, rejected = jobs.train(home_, kind, inputs, cfg, heldout=heldout or (), run_name=run, resume=resume,
+                                       progress=not json_out)
+    doc = {"bundle_id": trained.bundle.id, "path": str(trained.bundle.path), **trained.summary,
+           "rejected": [{"path": p, "reason": why} for p, why in rejected]}
     if json_out:
         return _emit_json(doc)
-    h = r.heldout
-    console.print(f"visual tokenizer [bold]{r.bundle.id}[/] ({doc['num_codes']} codes, {r.parameters:,} parameters) "
-                  f"at {r.bundle.path}")
-    console.print(f"  {r.steps} steps in {r.seconds:.0f} s; held-out PSNR {h['psnr']:.2f} dB, SSIM {h['ssim']:.3f}, "
-                  f"codebook usage {h['usage']:.1%}, perplexity {h['perplexity']:.0f}; run {r.run_dir}")
-    for path, why in skipped:
-        console.print(f"  rejected {path}: {why}")
+    console.print(f"{kind} tokenizer [bold]{doc['bundle_id']}[/] at {doc['path']}: {doc['parameters']:,} parameters, "
+                  f"{doc['steps']} steps in {doc['seconds']:.0f} s; run {doc['run_dir']}")
+    console.print(f"  held-out: {_metrics_line(doc['heldout'])}")
+    for r in doc["rejected"]:
+        console.print(f"  rejected {r['path']}: {r['reason']}")
+
+
+def _metrics_line(metrics: dict) -> str:
+    """Held-out or evaluation metrics of any media tokenizer as one line."""
+    parts = []
+    for key, unit in (("psnr", " dB"), ("ssim", ""), ("si_sdr", " dB"), ("mel", ""), ("perplexity", "")):
+        if isinstance(metrics.get(key), int | float):
+            parts.append(f"{key.upper().replace('_', '-')} {metrics[key]:.3f}{unit}")
+    usage = metrics.get("usage")
+    if usage is not None:
+        parts.append("codebook usage " + (f"{usage:.1%}" if isinstance(usage, float) else
+                                          "per level " + ", ".join(f"{u:.0%}" for u in usage)))
+    for k, v in (metrics.get("by_levels") or {}).items():
+        parts.append(f"k={k}: SI-SDR {v['si_sdr']:.2f} dB at {v['bitrate'] / 1000:.1f} kbit/s")
+    return "; ".join(parts)
+
+
+ImagesOpt = Annotated[list[Path], typer.Option("--images", help="Image files or folders.")]
+AudioOpt = Annotated[list[Path], typer.Option("--audio", help="Audio files or folders (.wav, .flac, .ogg).")]
+
+
+def _media_train_command(kind: str, inputs: typer.models.OptionInfo, doc: str) -> None:
+    """Register `tokenizer train KIND`: the same options for every media tokenizer but its inputs'."""
+
+    def command(inputs_: list[Path], heldout: HeldoutOpt = None, max_minutes: MinutesOpt = None, run: RunOpt = None,
+                resume: ResumeOpt = False, home: HomeOpt = None, json_out: JsonOpt = False,
+                config: ConfigOpt = None, overrides: OverridesArg = None):
+        _train_media(kind, inputs_, heldout, max_minutes, run, resume, home, json_out, config, overrides)
+
+    command.__annotations__["inputs_"] = Annotated[list[Path], inputs]  # the only per-kind option
+    command.__doc__ = doc
+    tokenizer_train_app.command(kind)(_user_errors(command))
+
+
+_media_train_command("visual", ImagesOpt.__metadata__[0], "Train the dual-path visual tokenizer (CNN + ViT, "
+                     "cross-attention fusion, quantizer) into a bundle.")
+_media_train_command("audio", AudioOpt.__metadata__[0], "Train the RVQ audio tokenizer (SEANet encoder/decoder, "
+                     "ResidualVQ with quantizer dropout) into a bundle.")
+
+
+def _eval_media(kind: str, bundle: str, inputs, out, home, json_out, **options) -> None:
+    """`tokenizer eval visual|audio`: metrics of a bundle on anyone's files."""
+    from tokenloom.jobs import tokenizer as jobs
+
+    home_, _ = _setup(home)
+    doc = jobs.evaluate(home_, kind, bundle, inputs, out, **{k: v for k, v in options.items() if v is not None})
+    if json_out:
+        return _emit_json(doc)
+    count = doc.get("images", doc.get("clips"))
+    console.print(f"{doc['bundle_id']} on {count} files: {_metrics_line(doc)}")
+    for path in ([doc["grid"]] if doc.get("grid") else []) + list((doc.get("files") or {}).values())[:1]:
+        console.print(f"  originals beside reconstructions: {path}")
+    for r in doc["rejected"]:
+        console.print(f"  rejected {r['path']}: {r['reason']}")
 
 
 @tokenizer_eval_app.command("visual")
 @_user_errors
-def tokenizer_eval_visual(
-    bundle: Annotated[str, typer.Option("--bundle", help="Visual bundle id or path.")],
-    images: Annotated[list[Path], typer.Option("--images", help="Image files or folders.")],
-    out: Annotated[Path | None, typer.Option("--out", help="Folder for grid.png and metrics.json.")] = None,
-    home: HomeOpt = None, json_out: JsonOpt = False,
-):
+def tokenizer_eval_visual(bundle: BundleOpt, images: ImagesOpt, out: OutOpt = None, home: HomeOpt = None,
+                          json_out: JsonOpt = False):
     """PSNR, SSIM, codebook usage and perplexity on your images, and a grid of reconstructions."""
-    api, home_, _ = _setup(home)
-    doc = api.eval_visual(home_, bundle, images, out)
-    if json_out:
-        return _emit_json(doc)
-    console.print(f"{doc['bundle_id']} on {doc['images']} images: PSNR {doc['psnr']:.2f} dB, SSIM {doc['ssim']:.3f}, "
-                  f"codebook usage {doc['usage']:.1%} of {doc['num_codes']}, perplexity {doc['perplexity']:.0f}")
-    console.print(f"  originals beside reconstructions: {doc['grid']}")
-    for r in doc["rejected"]:
-        console.print(f"  rejected {r['path']}: {r['reason']}")
-
-
-@tokenizer_train_app.command("audio")
-@_user_errors
-def tokenizer_train_audio(
-    audio: Annotated[list[Path], typer.Option("--audio", help="Audio files or folders (.wav, .flac, .ogg).")],
-    heldout: Annotated[list[Path] | None, typer.Option("--heldout", help="Held-out audio for evaluation "
-                                                       "(default: 10% of --audio, chosen by path hash).")] = None,
-    max_minutes: Annotated[float | None, typer.Option("--max-minutes", help="Wall-clock budget "
-                                                      "(default: audio_tokenizer.max_minutes).")] = None,
-    run: Annotated[str | None, typer.Option("--run", help="Run folder name under home/runs; with --resume, "
-                                            "the run to continue.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's checkpoint.")] = False,
-    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
-):
-    """Train the RVQ audio tokenizer (SEANet encoder/decoder, ResidualVQ with quantizer dropout) into a bundle."""
-    api, home_, cfg = _tokenizer_setup(home, config, overrides, "audio_tokenizer", max_minutes, resume, run)
-    with _quiet_stdout(json_out):
-        r, skipped = api.train_audio(home_, audio, cfg, heldout=heldout or (), run_name=run, resume=resume,
-                                     progress=not json_out)
-    doc = {"bundle_id": r.bundle.id, "path": str(r.bundle.path), "levels": r.bundle.config["levels"],
-           "codebook_size": r.bundle.config["codebook_size"], "frame_rate": r.bundle.config["frame_rate"],
-           "parameters": r.parameters, "steps": r.steps, "seconds": round(r.seconds, 1),
-           "audio_seconds_per_second": round(r.seconds_of_audio_per_second, 2), "heldout": r.heldout,
-           "run_dir": r.run_dir, "rejected": [{"path": p, "reason": why} for p, why in skipped]}
-    if json_out:
-        return _emit_json(doc)
-    h = r.heldout
-    console.print(f"audio tokenizer [bold]{r.bundle.id}[/] ({doc['levels']} levels x {doc['codebook_size']} codes, "
-                  f"{doc['frame_rate']:g} frames/s, {r.parameters:,} parameters) at {r.bundle.path}")
-    levels = ", ".join(f"k={k}: {v['si_sdr']:.1f} dB" for k, v in h["by_levels"].items())
-    console.print(f"  {r.steps} steps in {r.seconds:.0f} s; held-out SI-SDR {levels}; mel {h['mel']:.3f}; "
-                  f"usage per level {', '.join(f'{u:.0%}' for u in h['usage'])}; run {r.run_dir}")
-    for path, why in skipped:
-        console.print(f"  rejected {path}: {why}")
+    _eval_media("visual", bundle, images, out, home, json_out)
 
 
 @tokenizer_eval_app.command("audio")
 @_user_errors
-def tokenizer_eval_audio(
-    bundle: Annotated[str, typer.Option("--bundle", help="Audio bundle id or path.")],
-    audio: Annotated[list[Path], typer.Option("--audio", help="Audio files or folders.")],
-    levels: Annotated[int | None, typer.Option("--levels", help="Decode from the first K levels (default: all).")] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Folder for spectrograms.png, WAVs, metrics.json.")] = None,
-    home: HomeOpt = None, json_out: JsonOpt = False,
-):
+def tokenizer_eval_audio(bundle: BundleOpt, audio: AudioOpt, out: OutOpt = None, home: HomeOpt = None,
+                         json_out: JsonOpt = False,
+                         levels: Annotated[int | None, typer.Option("--levels", help="Decode from the first K levels "
+                                                                    "(default: all).")] = None):
     """SI-SDR, mel distance, bitrate and codebook usage per level on your audio, with spectrograms and WAVs."""
-    api, home_, _ = _setup(home)
-    doc = api.eval_audio(home_, bundle, audio, levels=levels, out_dir=out)
-    if json_out:
-        return _emit_json(doc)
-    console.print(f"{doc['bundle_id']} on {doc['clips']} files ({doc['seconds']:.1f} s): with {doc['levels']} levels "
-                  f"SI-SDR {doc['si_sdr']:.2f} dB, mel {doc['mel']:.3f}, {doc['bitrate'] / 1000:.1f} kbit/s")
-    for k, v in doc["by_levels"].items():
-        console.print(f"  k={k}: SI-SDR {v['si_sdr']:.2f} dB, mel {v['mel']:.3f}, {v['bitrate'] / 1000:.1f} kbit/s")
-    console.print(f"  codebook usage per level: {', '.join(f'{u:.0%}' for u in doc['usage'])}")
-    console.print(f"  spectrograms and WAVs: {doc['files'].get('spectrograms')}")
-    for r in doc["rejected"]:
-        console.print(f"  rejected {r['path']}: {r['reason']}")
+    _eval_media("audio", bundle, audio, out, home, json_out, levels=levels)
 
 
 @tokenizer_app.command("decode")
@@ -306,8 +358,10 @@ def tokenizer_decode(
     home: HomeOpt = None, json_out: JsonOpt = False, catalog_uri: CatalogUriOpt = None,
 ):
     """Turn a committed sample's tokens back into images and audio (and its text segments into text)."""
-    api, home_, cfg = _setup(home, catalog_uri=catalog_uri)
-    doc = api.decode_sample(home_, cfg, dataset, sample, out, at=at, levels=levels)
+    from tokenloom.jobs import tokenizer as jobs
+
+    home_, cfg = _setup(home, catalog_uri=catalog_uri)
+    doc = jobs.decode_sample(home_, cfg, dataset, sample, out, at=at, levels=levels)
     if json_out:
         return _emit_json(doc)
     for path in doc["images"] + doc["audio"]:
@@ -332,13 +386,15 @@ def ingest(
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value (repeatable).")] = None,
 ):
     """Tokenize inputs on the modality pools (Ray Data) and commit them as one snapshot."""
-    api, home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
+    from tokenloom.jobs.ingest import ingest as run_ingest
+
+    home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
     if ray_address:
         cfg.ingest.ray.address = ray_address
     cfg.ingest.ray.progress_bars = not json_out
     with _quiet_stdout(json_out):
-        r = api.ingest(home_, paths, dataset, cfg, text_bundle=tokenizer, visual_bundle=visual_tokenizer,
-                       audio_bundle=audio_tokenizer)
+        r = run_ingest(home_, paths, dataset, cfg, {"text": tokenizer, "visual": visual_tokenizer,
+                                                    "audio": audio_tokenizer})
     if json_out:
         return _emit_json(r)
     verb = "already committed as" if r.already_committed else "committed"
@@ -353,8 +409,8 @@ def ingest(
 @_user_errors
 def catalog_ls(home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
     """List datasets with their latest snapshot's counts."""
-    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
-    rows = api.catalog_ls(home_, cfg)
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    rows = catalog_jobs.ls(home_, cfg)
     if json_out:
         return _emit_json(rows)
     t = Table("dataset", "snapshot", "samples", "tokens", "quarantined (all jobs)", "snapshots")
@@ -370,8 +426,8 @@ def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help=
                  home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
                  catalog_uri: CatalogUriOpt = None):
     """Counts, quarantine and lineage of a dataset snapshot (latest by default)."""
-    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
-    s = api.catalog_show(home_, cfg, name, at)
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    s = catalog_jobs.show(home_, cfg, name, at)
     if json_out:
         return _emit_json(s)
     t = Table(title=f"dataset {name}", show_header=False)
@@ -388,8 +444,8 @@ def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help=
 @_user_errors
 def catalog_history(name: str, home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
     """Snapshots of a dataset, oldest first."""
-    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
-    rows = api.catalog_history(home_, cfg, name)
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    rows = catalog_jobs.history(home_, cfg, name)
     if json_out:
         return _emit_json(rows)
     t = Table("snapshot", "committed", "tags", "job", "samples", "tokens", "quarantined", "total rows")
@@ -407,8 +463,8 @@ AtOpt = Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (def
 def catalog_stats(name: str, at: AtOpt = None, home: HomeOpt = None, json_out: JsonOpt = False,
                   config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
     """Per-modality counts and the sequence-length histogram, stored at commit (no data is read)."""
-    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
-    s = api.catalog_stats(home_, cfg, name, at)
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    s = catalog_jobs.stats(home_, cfg, name, at)
     if json_out:
         return _emit_json(s)
     st = s["stats"]
@@ -432,8 +488,8 @@ def catalog_stats(name: str, at: AtOpt = None, home: HomeOpt = None, json_out: J
 def catalog_tag(name: str, tag: str, at: AtOpt = None, home: HomeOpt = None, json_out: JsonOpt = False,
                 config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
     """Name a snapshot (default: the current one); read it later with --at TAG."""
-    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
-    doc = api.catalog_tag(home_, cfg, name, tag, at)
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    doc = catalog_jobs.tag(home_, cfg, name, tag, at)
     if json_out:
         return _emit_json(doc)
     console.print(f"tagged {name}@{doc['snapshot_id']} as [bold]{tag}[/]")
@@ -444,10 +500,10 @@ def catalog_tag(name: str, tag: str, at: AtOpt = None, home: HomeOpt = None, jso
 def catalog_query(sql: str, fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
                   home: HomeOpt = None, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
     """Read-only SQL (DuckDB) over the catalog; each dataset is a table of its current snapshot."""
-    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
     if fmt not in ("table", "csv", "json"):
         raise ValueError(f"--format must be table, csv or json, got {fmt!r}")
-    result = api.catalog_query(home_, cfg, sql)
+    result = catalog_jobs.query(home_, cfg, sql)
     if fmt == "csv":
         import pyarrow.csv as pacsv
 
@@ -471,8 +527,8 @@ def catalog_query(sql: str, fmt: Annotated[str, typer.Option("--format", help="t
 def catalog_verify(name: str, at: AtOpt = None, home: HomeOpt = None, json_out: JsonOpt = False,
                    config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
     """Re-read every data file of a snapshot and compare it with the checksum recorded at commit."""
-    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
-    report = api.catalog_verify(home_, cfg, name, at)
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    report = catalog_jobs.verify(home_, cfg, name, at)
     if json_out:
         _emit_json(report)
     else:
@@ -492,8 +548,8 @@ def catalog_gc(name: Annotated[str | None, typer.Argument(help="Dataset (default
                home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
                catalog_uri: CatalogUriOpt = None):
     """Delete data files no snapshot references (left by jobs that died before committing)."""
-    api, home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
-    reports = api.catalog_gc(home_, cfg, name, older_than * 3600, dry_run)
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    reports = catalog_jobs.gc(home_, cfg, name, older_than * 3600, dry_run)
     if json_out:
         return _emit_json(reports)
     for r in reports:
@@ -513,14 +569,14 @@ def train(
     overrides: OverridesArg = None,
 ):
     """Train the model on a catalog snapshot, streaming its shards (DeepSpeed, ZeRO-1)."""
-    api, home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
+    from tokenloom.jobs import train as jobs
+
+    home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
     if steps is not None:
         cfg.train.steps = steps
     with _quiet_stdout(json_out):
-        snapshot_id, r = api.train(home_, dataset, cfg, at=at, progress=not json_out, resume_from=resume)
-        from tokenloom.trainer.distributed import shutdown_distributed
-
-        rank = shutdown_distributed()
+        snapshot_id, r = jobs.train(home_, dataset, cfg, at=at, progress=not json_out, resume_from=resume)
+        rank = jobs.leave_process_group()
     if rank != 0:  # one report per run, from rank 0
         return
     doc = {"dataset": dataset, "snapshot_id": snapshot_id, **asdict(r)}
@@ -542,12 +598,16 @@ TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Experts per token 
 def model_export(
     source: Annotated[Path, typer.Argument(help="A training run folder or a model folder.")],
     out: Annotated[Path, typer.Option("--out", help="Folder for the smaller model.")],
-    layers: LayersOpt = None, experts: ExpertsOpt = None, top_k: TopKOpt = None, json_out: JsonOpt = False,
+    layers: LayersOpt = None, experts: ExpertsOpt = None, top_k: TopKOpt = None,
+    tier: Annotated[str | None, typer.Option("--tier", help="A deployment tier instead of explicit cuts: full, mid "
+                                             "(~60% of layers and experts) or edge (~35%, top-1).")] = None,
+    json_out: JsonOpt = False,
 ):
     """Write a smaller standalone model: fewer layers, fewer experts, a smaller top-k (elastic sub-model)."""
-    from tokenloom import api
+    from tokenloom.jobs import train as jobs
 
-    doc = api.model_export(source, out, layers, experts, top_k)
+    doc = jobs.export(source, out, parse_indices(layers, "--layers"), parse_indices(experts, "--experts"), top_k,
+                      tier)
     if json_out:
         return _emit_json(doc)
     console.print(f"exported {doc['n_layers']} layers, {doc['n_experts']} experts, top-{doc['top_k']}: "
@@ -562,21 +622,94 @@ def model_eval(
     at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
     batches: Annotated[int, typer.Option("--batches", help="Batches to evaluate.")] = 8,
     layers: LayersOpt = None, experts: ExpertsOpt = None, top_k: TopKOpt = None,
+    tiers: Annotated[bool, typer.Option("--tiers", help="One table over the deployment tiers (full, mid, edge): "
+                                        "parameters, loss per modality, generation speed, memory.")] = False,
     home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None,
     overrides: OverridesArg = None,
 ):
     """Loss per modality of a model (optionally restricted to a sub-model) on a catalog snapshot."""
-    api, home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
-    doc = api.model_eval(home_, cfg, source, dataset, at, batches, layers, experts, top_k)
+    from tokenloom.jobs import train as jobs
+
+    home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
+    if tiers:
+        if (layers, experts, top_k) != (None, None, None):
+            raise ValueError("--tiers evaluates the documented tier cuts; give it without --layers/--experts/--top-k")
+        doc = jobs.evaluate_tiers(home_, cfg, source, dataset, at, batches)
+        if json_out:
+            return _emit_json(doc)
+        table = Table(title=f"deployment tiers of {doc['model']} on {dataset}@{doc['snapshot_id']}")
+        for column in ("tier", "layers", "experts", "top-k", "parameters", "active", "loss", "text", "image",
+                       "audio", "gen tokens/s", "memory MB"):
+            table.add_column(column, justify="left" if column == "tier" else "right")
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        for r in doc["tiers"]:
+            table.add_row(r["tier"], str(r["n_layers"]), str(r["n_experts"]), str(r["top_k"]), f"{r['parameters']:,}",
+                          f"{r['active_parameters']:,}", fmt(r["loss"]), fmt(r["loss_text"]), fmt(r["loss_image"]),
+                          fmt(r["loss_audio"]), f"{r['tokens_per_second']:,.0f}", f"{r['memory_bytes'] / 2**20:.1f}")
+        console.print(table)
+        return
+    doc = jobs.evaluate(home_, cfg, source, dataset, at, batches, parse_indices(layers, "--layers"),
+                        parse_indices(experts, "--experts"), top_k)
     if json_out:
         return _emit_json(doc)
-    per = ", ".join(f"{m} {doc[f'loss_{m}']:.3f}" for m in ("text", "image", "audio") if doc[f"loss_{m}"] is not None)
+    per = ", ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in doc.items()
+                    if k.startswith("loss_") and v is not None)
     console.print(f"{dataset}@{doc['snapshot_id']}: loss {doc['loss']:.3f} ({per}) over {doc['tokens']:,.0f} tokens")
 
 
+def parse_grid(text: str | None) -> tuple[int, int] | None:
+    """`16x16` -> (16, 16)."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*", text)
+    if not match:
+        raise ValueError(f"--grid takes ROWSxCOLS, e.g. 16x16; got {text!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+@app.command("generate")
+@_user_errors
+def generate_command(
+    source: Annotated[Path, typer.Argument(help="A training run folder or a model folder.")],
+    to: Annotated[str, typer.Option("--to", help="What to generate: text, image or audio.")],
+    prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text (after any media).")] = None,
+    image: Annotated[Path | None, typer.Option("--image", help="An image to caption (or to continue from).")] = None,
+    audio: Annotated[Path | None, typer.Option("--audio", help="A recording to transcribe.")] = None,
+    grid: Annotated[str | None, typer.Option("--grid", help="Image size in codes, ROWSxCOLS (default: the visual "
+                                             "tokenizer's training crop).")] = None,
+    seconds: Annotated[float, typer.Option("--seconds", help="Audio: at most this long.")] = 2.0,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Text: at most this many tokens.")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 for greedy.")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k likeliest (0: all).")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    out: Annotated[Path | None, typer.Option("--out", help="File to write (text, PNG or WAV); default: under "
+                                             "home/generations/.")] = None,
+    home: HomeOpt = None, json_out: JsonOpt = False,
+):
+    """Generate from a trained model: continue text, caption an image, transcribe audio, draw an
+    image or speak a text, with the model's own tokenizers (KV-cache decoding)."""
+    from tokenloom.jobs import generate as jobs
+    from tokenloom.jobs.home import Home
+
+    doc = jobs.generate(Home.resolve(home), source, to, prompt, image, audio, parse_grid(grid), seconds,
+                        max_new_tokens, temperature, top_k, top_p, seed, out)
+    if json_out:
+        return _emit_json(doc)
+    made = doc["text"] if to == "text" else doc["out"]
+    console.print(f"{made}", highlight=False, soft_wrap=True)
+    console.print(f"[dim]{doc['positions']} positions in {doc['seconds']:.2f}s "
+                  f"({doc['positions_per_second']:,.0f}/s), mean log-probability {doc['logprob_mean']}[/]",
+                  highlight=False)
+
+
 def main() -> None:  # pragma: no cover
+    import logging
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    app()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("tokenloom").setLevel(logging.INFO)
+    app(args=expand_multi_path_options(sys.argv[1:]), prog_name="tokenloom")
 
 
 if __name__ == "__main__":  # pragma: no cover

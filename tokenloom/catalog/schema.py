@@ -13,8 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-MODALITIES = ("text", "image", "audio")
-ATTENTION_KINDS = ("causal", "bidirectional", "window")
+from tokenloom.contract import ATTENTION_KINDS, MODALITIES
 
 SEGMENT_TYPE = pa.struct(
     [

@@ -87,5 +87,27 @@ def read_blocks(path: str | Path, seconds: float, target_rate: int = 16_000) -> 
         raise AudioProblem("zero-length audio")
 
 
+def to_mono(samples: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndarray:
+    """[T] or [T, channels] float audio -> mono float32 [T'] at `target` Hz (torchaudio resampling)."""
+    import torch
+    import torchaudio.functional as AF
+
+    wav = torch.as_tensor(np.asarray(samples, dtype=np.float32))
+    if wav.ndim == 2:
+        wav = wav.mean(dim=1)
+    if wav.ndim != 1:
+        raise ValueError(f"audio must be [samples] or [samples, channels], got {tuple(wav.shape)}")
+    if sample_rate != target:
+        wav = AF.resample(wav, sample_rate, target)
+    return wav.numpy()
+
+
+def read_mono(path: str | Path, seconds: float, target_rate: int = 16_000) -> Iterator[np.ndarray]:
+    """`read_blocks` downmixed and resampled: mono float32 blocks at `target_rate`, in order."""
+    info = probe(path)
+    for block in read_blocks(path, seconds, target_rate):
+        yield to_mono(block, info.sample_rate, target_rate)
+
+
 def _message(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -12,13 +12,22 @@ token is one position, an audio frame (L codes, one per RVQ level, stored frame-
 position holding a group of L ids (ARCHITECTURE.md, "Groups"). Rows carry `ids` [P, G] with G
 = `group_size` slots (unused slots -1), and per position its modality, rotary coordinates
 (t, h, w), document, segment and attention kind. Coordinates restart per sample: text and audio
-advance t = h = w by one per position; an image starting at p gives its token (r, c) the
-coordinates (p, p + r, p + c) and the text after it continues at p + max(rows, cols), so the
-grid is kept (M-RoPE, as in Qwen2-VL).
+advance t = h = w by one per position.
 
-Packing. A rank's samples are concatenated and cut into rows of `seq_len` positions; the
-target of a position is the whole group at the next position of the same sample (-100
-across samples). FlashMask expresses each key column's masked rows with at most two
+Images, one row group at a time (ARCHITECTURE.md, "No target is visible..."). An h x w image
+becomes a learned start row (w `<row>` positions) followed by its h rows, each row its own
+bidirectional segment: a position sees its own row and everything before it, never a later
+row. Positions of the start row predict row 0, those of row r predict row r + 1 (same column),
+and the last position of the last row predicts what follows the image. Begun at p, the start
+row sits at (p, p, p + c), row r at (p, p + r + 1, p + c), and the text after the image
+continues at p + max(h + 1, w), so the grid is kept (M-RoPE, as in Qwen2-VL).
+
+Targets. Every other position predicts the whole group at the next position of its sample
+(-100 across samples and for the given start rows); `target_modality` names the modality of
+each target, so losses are counted per predicted modality.
+
+Packing. A rank's samples are concatenated and cut into rows of `seq_len` positions.
+FlashMask expresses each key column's masked rows with at most two
 intervals; a windowed audio segment that is followed by more of its own sample (its
 transcript) needs three when another sample follows it in the row. Such a sample therefore
 ends its row: the rest of the row is padding (modality 3, no targets), a causal segment of
@@ -39,13 +48,18 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from tokenloom.catalog.uris import filesystem_and_path
+from tokenloom.contract import (
+    ATTENTION_IDS,
+    DEFAULT_ATTENTION,
+    IGNORE_INDEX,
+    MODALITY_IDS,
+    PAD_MODALITY,
+    ROW_KEYS,
+    SPECIAL_TOKENS,
+)
 
-IGNORE_INDEX = -100
-MODALITY_IDS = {"text": 0, "image": 1, "audio": 2}
-PAD_MODALITY = 3
-ATTENTION_IDS = {"causal": 0, "bidirectional": 1, "window": 2}
-DEFAULT_ATTENTION = {"text": "causal", "image": "bidirectional", "audio": "window"}
-PAD_ID = 0  # <pad> in the vocabulary manifest's special block
+PAD_ID = SPECIAL_TOKENS.index("<pad>")  # the input id of padding positions (no target uses them)
+ROW_ID = SPECIAL_TOKENS.index("<row>")  # the input id of an image's learned start row
 
 
 @dataclass(frozen=True)
@@ -81,7 +95,7 @@ class StreamState:
 
 @dataclass
 class Positions:
-    """One sample read as positions."""
+    """One sample read as positions, with each position's target."""
 
     ids: np.ndarray  # [P, G] int64, unused slots -1
     modality: np.ndarray  # [P]
@@ -90,22 +104,26 @@ class Positions:
     attention: np.ndarray  # [P] ATTENTION_IDS
     window: np.ndarray  # [P] attention window (0 unless windowed)
     ends_row: bool  # a windowed segment is followed by more of this sample
+    labels: np.ndarray | None = None  # [P, G] the group each position predicts, IGNORE_INDEX where none
+    target: np.ndarray | None = None  # [P] the modality of that target, -1 where none
 
     def __len__(self) -> int:
         return len(self.modality)
 
 
 def sample_positions(tokens: np.ndarray, segments: list[dict] | None, group_size: int, audio_window: int) -> Positions:
-    """A sample's flat tokens and segments -> positions (see the module docstring)."""
+    """A sample's flat tokens and segments -> positions and their targets (see the module docstring)."""
     if not segments:
         segments = [{"modality": "text", "start": 0, "length": len(tokens), "grid": [], "attention": None}]
     ids, modality, coords, segment, attention, window = [], [], [], [], [], []
-    p, ends_row = 0, False
+    image_targets: list[tuple[int, np.ndarray, int]] = []  # (first position, codes in raster order, width)
+    p, ends_row, seg_no, n_pos = 0, False, 0, 0
     for k, seg in enumerate(segments):
         kind_name = seg.get("attention") or DEFAULT_ATTENTION[seg["modality"]]
         start, length = int(seg["start"]), int(seg["length"])
         toks = tokens[start : start + length].astype(np.int64)
         mod = seg["modality"]
+        seg_col = None
         if mod == "audio":
             frames, levels = (int(x) for x in seg["grid"])
             if frames * levels != length:
@@ -120,13 +138,20 @@ def sample_positions(tokens: np.ndarray, segments: list[dict] | None, group_size
             n = frames
             p += frames
         elif mod == "image":
+            # a learned start row (w <row> positions), then the h rows; each row is its own
+            # segment, so attention is bidirectional within a row and causal across rows
             h, w = (int(x) for x in seg["grid"])
-            group = np.full((length, group_size), -1, dtype=np.int64)
-            group[:, 0] = toks
-            r, c = np.divmod(np.arange(length), w)
-            xyz = np.stack([np.full(length, p), p + r, p + c], axis=1)
-            n = length
-            p += max(h, w)
+            if h * w != length:
+                raise ValueError(f"image segment grid {seg['grid']} does not match its length {length}")
+            n = (h + 1) * w
+            group = np.full((n, group_size), -1, dtype=np.int64)
+            group[:w, 0] = ROW_ID
+            group[w:, 0] = toks
+            r, c = np.divmod(np.arange(n), w)  # r = 0 is the start row, r = i + 1 the image's row i
+            xyz = np.stack([np.full(n, p), p + r, p + c], axis=1)
+            seg_col = seg_no + r
+            image_targets.append((n_pos, toks, w))
+            p += max(h + 1, w)
         else:
             group = np.full((length, group_size), -1, dtype=np.int64)
             group[:, 0] = toks
@@ -140,11 +165,42 @@ def sample_positions(tokens: np.ndarray, segments: list[dict] | None, group_size
         ids.append(group)
         modality.append(np.full(n, MODALITY_IDS[mod]))
         coords.append(xyz)
-        segment.append(np.full(n, k))
+        segment.append(np.full(n, seg_no) if seg_col is None else seg_col)
+        seg_no = int(segment[-1][-1]) + 1
         attention.append(np.full(n, ATTENTION_IDS[kind_name]))
         window.append(np.full(n, win))
-    return Positions(np.concatenate(ids), np.concatenate(modality), np.concatenate(coords).astype(np.int64),
-                     np.concatenate(segment), np.concatenate(attention), np.concatenate(window), ends_row)
+        n_pos += n
+    ids_all, mod_all = np.concatenate(ids), np.concatenate(modality)
+    labels, target = _targets(ids_all, mod_all, image_targets)
+    return Positions(ids_all, mod_all, np.concatenate(coords).astype(np.int64), np.concatenate(segment),
+                     np.concatenate(attention), np.concatenate(window), ends_row, labels, target)
+
+
+def _targets(ids: np.ndarray, modality: np.ndarray, images: list[tuple[int, np.ndarray, int]]
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Each position's target group and its modality.
+
+    Text and audio: the next position's group (audio: a frame's L codes). No position predicts an
+    image's start row (it is given). In an image, the w positions of the start row predict row 0
+    and those of row r predict row r + 1, column by column; the last row predicts nothing except
+    at its last position, which predicts what follows the image (its `<eoi>`). So no target is
+    visible to the position that predicts it: rows see only themselves and the rows above."""
+    P, G = ids.shape
+    labels = np.full((P, G), IGNORE_INDEX, dtype=np.int64)
+    target = np.full(P, -1, dtype=np.int64)
+    labels[:-1] = ids[1:]
+    target[:-1] = modality[1:]
+    given = np.r_[ids[1:, 0] == ROW_ID, False]  # predicting a start row position
+    labels[given], target[given] = IGNORE_INDEX, -1
+    for first, codes, w in images:
+        n = len(codes)
+        labels[first : first + n] = IGNORE_INDEX
+        labels[first : first + n, 0] = codes
+        target[first : first + n] = MODALITY_IDS["image"]
+        last_row = slice(first + n, first + n + w - 1)  # all of the last row but its last position
+        labels[last_row], target[last_row] = IGNORE_INDEX, -1
+    labels[labels < 0] = IGNORE_INDEX
+    return labels, target
 
 
 def _read_samples(path: str) -> list[tuple[np.ndarray, list[dict] | None]]:
@@ -198,9 +254,6 @@ def pack_row(samples: Sequence[Positions], seq_len: int) -> dict[str, np.ndarray
         raise ValueError(f"{used} positions do not fit a row of {seq_len}")
     group = samples[0].ids.shape[1]
     return TokenStream._assemble([(s, slice(0, len(s)), d) for d, s in enumerate(samples)], seq_len, group)
-
-
-ROW_KEYS = ("ids", "labels", "modality", "target_modality", "coords", "doc_ids", "segment_ids", "attention", "window")
 
 
 class TokenStream:
@@ -298,14 +351,12 @@ class TokenStream:
         docs = np.concatenate([np.full(sl.stop - sl.start, d) for _, sl, d in pieces])
         cat = {key: np.concatenate([getattr(s, key)[sl] for s, sl, _ in pieces])
                for key in ("modality", "coords", "segment", "attention", "window")}
+        labels = np.concatenate([s.labels[sl] for s, sl, _ in pieces])[:L]
+        target_modality = np.concatenate([s.target[sl] for s, sl, _ in pieces])[:L]
         n = len(docs)
-        labels = np.full((L, G), IGNORE_INDEX, dtype=np.int64)
-        m = min(n - 1, L)
-        same = docs[1 : m + 1] == docs[:m]
-        labels[:m][same] = ids[1 : m + 1][same]
-        labels[labels < 0] = IGNORE_INDEX
-        target_modality = np.full(L, -1, dtype=np.int64)  # the modality of each position's target
-        target_modality[:m][same] = cat["modality"][1 : m + 1][same]
+        if len(labels) < L:
+            labels = np.concatenate([labels, np.full((L - len(labels), G), IGNORE_INDEX, dtype=np.int64)])
+            target_modality = np.r_[target_modality, np.full(L - len(target_modality), -1)]
         # a segment id unique within the row: (document, segment index) runs
         key = docs[:L] * 100_000 + cat["segment"][:L]
         segment_ids = np.cumsum(np.r_[0, key[1:] != key[:-1]])

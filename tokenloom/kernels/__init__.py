@@ -22,7 +22,7 @@ from .builders import (
     sliding_window_mask,
 )
 from .indices import canonical_indices, check_indices
-from .multimodal import Segment, build_multimodal_mask
+from .multimodal import Segment, build_multimodal_mask, mask_from_columns, segment_columns
 from .reference import dense_allowed_mask, flashmask_reference
 from .tiles import classify_tiles, column_tile_bounds, tile_fractions
 
@@ -45,10 +45,12 @@ __all__ = [
     "flashmask_reference",
     "full_mask",
     "global_sliding_window_mask",
+    "mask_from_columns",
     "prefix_lm_causal_mask",
     "prefix_lm_document_mask",
     "qk_sparse_mask",
     "random_eviction_mask",
+    "segment_columns",
     "share_question_mask",
     "sliding_window_mask",
     "tile_fractions",

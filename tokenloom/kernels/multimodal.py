@@ -20,6 +20,13 @@ no one and seeing nothing (their output is zero). For key column j in segment [a
 which are at most two intervals unless a window segment ends before its document does and j > 0.
 That case raises ValueError with the way out: end the windowed segment at its document's end,
 give it a window >= its length, or put each document in its own batch row.
+
+Two entry points. `mask_from_columns` takes the per-position columns a packed stream row already
+carries (segment ids, document ids, attention kind, window; [batch, positions] tensors) and
+computes every column's intervals for the whole batch at once, without a Python loop over rows
+or segments, so the trainer can call it once per micro-batch on any device.
+`build_multimodal_mask` takes segment lists (the packer's and the tests' form), checks them,
+turns them into those columns and calls it.
 """
 
 from __future__ import annotations
@@ -29,9 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-MODALITIES = ("text", "image", "audio")
-ATTENTION_KINDS = ("causal", "bidirectional", "window")
-DEFAULT_ATTENTION = {"text": "causal", "image": "bidirectional", "audio": "window"}
+from tokenloom.contract import ATTENTION_IDS, ATTENTION_KINDS, DEFAULT_ATTENTION, MODALITIES
 
 
 @dataclass(frozen=True)
@@ -78,11 +83,104 @@ def as_segment(item: Segment | Mapping) -> Segment:
     return segment
 
 
-def _row_columns(segments: list[Segment], row: int) -> dict[str, torch.Tensor]:
-    """Per column of one batch row: its segment's bounds, kind, window and its document's bounds."""
-    position = 0
-    seen_documents: set[int] = set()
-    doc_spans: list[list[int]] = []
+def _run_bounds(new_run: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_run bool [B, P] (True where a run of equal values starts) -> each position's run [start, end), [B, P].
+
+    Loop-free: a start is carried forward by a running max of the start positions, an end
+    backward by a running min over the flipped row."""
+    P = new_run.shape[1]
+    pos = torch.arange(P, device=new_run.device).expand_as(new_run)
+    start = torch.where(new_run, pos, 0).cummax(dim=1).values
+    last = torch.cat([new_run[:, 1:], torch.ones_like(new_run[:, :1])], dim=1)  # the last position of its run
+    end = torch.where(last, pos + 1, P).flip(1).cummin(dim=1).values.flip(1)
+    return start, end
+
+
+def _run_starts(values: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.ones_like(values[:, :1], dtype=torch.bool), values[:, 1:] != values[:, :-1]], dim=1)
+
+
+def mask_from_columns(segment_ids: torch.Tensor, doc_ids: torch.Tensor, attention: torch.Tensor,
+                      window: torch.Tensor) -> torch.Tensor:
+    """Per-position columns of a batch -> FlashMask int32 [B, 1, P, 4] (LTS, LTE, UTS, UTE); use with causal=False.
+
+    All four are [B, P] integer tensors, the layout of a packed stream row (datasets/stream.py):
+    a segment is a run of equal `segment_ids` within a run of equal `doc_ids` (a document), its
+    kind is `attention` (contract.ATTENTION_IDS) and, for the window kind, its width is `window`,
+    both read at the segment's first position. A negative doc id marks padding: its columns are
+    fully masked and its rows see nothing. Batched and loop-free (run bounds by running max/min),
+    on the columns' device; the only host synchronisation is one check that every column fits.
+
+    Raises ValueError, naming the batch row and the column, for an unknown attention id, a
+    window below 1, or a column that would need three masked row intervals (module docstring).
+    """
+    shapes = {tuple(t.shape) for t in (segment_ids, doc_ids, attention, window)}
+    if len(shapes) != 1 or segment_ids.dim() != 2 or segment_ids.shape[1] == 0:
+        raise ValueError(f"mask_from_columns takes four [batch, positions] columns of one shape, got {sorted(shapes)}")
+    B, P = segment_ids.shape
+    doc = doc_ids.long()
+    padding = doc < 0
+    doc_new = _run_starts(doc)
+    seg_new = doc_new | _run_starts(segment_ids.long())
+    seg_start, seg_end = _run_bounds(seg_new)
+    _, doc_end = _run_bounds(doc_new)
+    kind = attention.long().gather(1, seg_start)
+    width = window.long().gather(1, seg_start)
+    j = torch.arange(P, device=doc.device).expand(B, P)
+
+    windowed = ~padding & (kind == ATTENTION_IDS["window"])
+    upper_end = torch.where(kind == ATTENTION_IDS["bidirectional"], seg_start, j)
+    window_start = torch.where(windowed, torch.minimum(j + width, seg_end), seg_end)
+    has_window = window_start < seg_end
+    # The window piece merges with the document tail when the segment ends the document; it stands
+    # alone in the lower slot when there is no tail; it takes the upper slot when that is empty (j = 0).
+    merges = has_window & (seg_end == doc_end)
+    alone = has_window & ~merges & (doc_end == P)
+    takes_upper = has_window & ~merges & ~alone & (upper_end == 0)
+    three = has_window & ~merges & ~alone & ~takes_upper
+    unknown = ~padding & ((kind < 0) | (kind >= len(ATTENTION_KINDS)))
+    no_width = windowed & (width < 1)
+    if bool((three | unknown | no_width).any()):
+        _raise_unfit(three, unknown, no_width, seg_new, seg_start, seg_end, doc_end, window_start, kind, width)
+
+    full = torch.full_like(j, P)
+    lts = torch.where(merges | alone, window_start, doc_end)
+    lte = torch.where(alone, seg_end, full)
+    uts = torch.where(takes_upper, window_start, 0)
+    ute = torch.where(takes_upper, seg_end, upper_end)
+    zero = torch.zeros_like(j)
+    lts, lte = torch.where(padding, zero, lts), torch.where(padding, full, lte)
+    uts, ute = torch.where(padding, zero, uts), torch.where(padding, zero, ute)
+    return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32).unsqueeze(1)
+
+
+def _raise_unfit(three, unknown, no_width, seg_new, seg_start, seg_end, doc_end, window_start, kind, width):
+    """The ValueError of `mask_from_columns` for the first offending column (rows in order)."""
+    P = three.shape[1]
+    segment = seg_new.long().cumsum(1) - 1  # the segment's ordinal within its row
+    for problem in (unknown, no_width, three):
+        if bool(problem.any()):
+            b, col = (int(i) for i in problem.nonzero()[0])
+            break
+    k, a, e, w = int(segment[b, col]), int(seg_start[b, col]), int(seg_end[b, col]), int(width[b, col])
+    where = f"batch row {b}, segment {k} (columns [{a}, {e}))"
+    if bool(unknown[b, col]):
+        raise ValueError(f"{where}: attention id {int(kind[b, col])} is not one of {ATTENTION_IDS}")
+    if bool(no_width[b, col]):
+        raise ValueError(f"{where} attends within a window: give window >= 1 (or another attention kind), got {w}")
+    raise ValueError(
+        f"batch row {b}, segment {k} (window {w}, columns [{a}, {e})): key column {col} would need masked rows "
+        f"[0, {col}), [{int(window_start[b, col])}, {e}) and [{int(doc_end[b, col])}, {P}), three intervals, but "
+        "FlashMask allows two per column. End the windowed segment at its document's end, give it a window >= its "
+        "length, or put each document in its own batch row."
+    )
+
+
+def segment_columns(segments: Sequence[Segment], row: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """One batch row's segments -> its [seq_len] columns for `mask_from_columns` (positions after
+    the last segment are padding, doc id -1); refuses segments that do not tile the row in order
+    or a document split by another one."""
+    position, doc_ordinal, documents = 0, [], []
     for k, segment in enumerate(segments):
         if segment.start != position:
             raise ValueError(
@@ -90,68 +188,26 @@ def _row_columns(segments: list[Segment], row: int) -> dict[str, torch.Tensor]:
                 f"{segment.start}, expected {position}"
             )
         position += segment.length
-        if doc_spans and segments[k - 1].document == segment.document:
-            doc_spans[-1][1] = position
-        else:
-            if segment.document in seen_documents:
+        if not documents or documents[-1] != segment.document:
+            if segment.document in documents:
                 raise ValueError(
                     f"batch row {row}: document {segment.document} is split by another document; packed documents "
                     "must be contiguous"
                 )
-            seen_documents.add(segment.document)
-            doc_spans.append([segment.start, position])
+            documents.append(segment.document)
+        doc_ordinal.append(len(documents) - 1)
     lengths = torch.tensor([s.length for s in segments])
-    doc_of_segment = []
-    for segment in segments:
-        doc_of_segment.append(next(i for i, (lo, hi) in enumerate(doc_spans) if lo <= segment.start < hi))
-    doc_bounds = torch.tensor(doc_spans)[torch.tensor(doc_of_segment)]
+    padding = seq_len - position
+
+    def column(values: list[int], pad: int) -> torch.Tensor:
+        return torch.cat([torch.tensor(values).repeat_interleave(lengths), torch.full((padding,), pad)])
+
     return {
-        "seg_start": torch.tensor([s.start for s in segments]).repeat_interleave(lengths),
-        "seg_end": torch.tensor([s.start + s.length for s in segments]).repeat_interleave(lengths),
-        "kind": torch.tensor([ATTENTION_KINDS.index(s.kind) for s in segments]).repeat_interleave(lengths),
-        "window": torch.tensor([int(s.window or 0) for s in segments]).repeat_interleave(lengths),
-        "doc_start": doc_bounds[:, 0].repeat_interleave(lengths),
-        "doc_end": doc_bounds[:, 1].repeat_interleave(lengths),
-        "segment": torch.arange(len(segments)).repeat_interleave(lengths),
+        "segment_ids": column(list(range(len(segments))), len(segments)),
+        "doc_ids": column(doc_ordinal, -1),
+        "attention": column([ATTENTION_IDS[s.kind] for s in segments], ATTENTION_IDS["causal"]),
+        "window": column([int(s.window or 0) for s in segments], 0),
     }
-
-
-def _row_indices(segments: list[Segment], row: int, seq_len: int) -> torch.Tensor:
-    c = _row_columns(segments, row)
-    used = c["seg_start"].numel()
-    j = torch.arange(used)
-    windowed = c["kind"] == ATTENTION_KINDS.index("window")
-    upper_end = torch.where(c["kind"] == ATTENTION_KINDS.index("bidirectional"), c["seg_start"], j)
-    window_start = torch.where(windowed, torch.minimum(j + c["window"], c["seg_end"]), c["seg_end"])
-    seg_end, doc_end = c["seg_end"], c["doc_end"]
-    has_window = window_start < seg_end
-    # The window piece merges with the document tail when the segment ends the document; it stands
-    # alone in the lower slot when there is no tail; it takes the upper slot when that is empty (j = 0).
-    merges = has_window & (seg_end == doc_end)
-    alone = has_window & ~merges & (doc_end == seq_len)
-    takes_upper = has_window & ~merges & ~alone & (upper_end == 0)
-    bad = has_window & ~merges & ~alone & ~takes_upper
-    if bool(bad.any()):
-        col = int(bad.nonzero()[0])
-        k = int(c["segment"][col])
-        seg = segments[k]
-        raise ValueError(
-            f"batch row {row}, segment {k} ({seg.modality}, window {seg.window}, columns [{seg.start}, "
-            f"{seg.start + seg.length})): key column {col} would need masked rows [0, {col}), "
-            f"[{int(window_start[col])}, {int(seg_end[col])}) and [{int(doc_end[col])}, {seq_len}), three "
-            "intervals, but FlashMask allows two per column. End the windowed segment at its document's end, "
-            "give it a window >= its length, or put each document in its own batch row."
-        )
-    lower_start = torch.where(merges | alone, window_start, doc_end)
-    lower_end = torch.where(alone, seg_end, torch.full_like(seg_end, seq_len))
-    upper_start = torch.where(takes_upper, window_start, 0)
-    upper_end = torch.where(takes_upper, seg_end, upper_end)
-    padding = seq_len - used
-    lts = torch.cat([lower_start, torch.zeros(padding, dtype=torch.int64)])
-    lte = torch.cat([lower_end, torch.full((padding,), seq_len)])
-    uts = torch.cat([upper_start, torch.zeros(padding, dtype=torch.int64)])
-    ute = torch.cat([upper_end, torch.zeros(padding, dtype=torch.int64)])
-    return torch.stack([lts, lte, uts, ute], dim=-1).to(torch.int32)
 
 
 def build_multimodal_mask(
@@ -163,7 +219,8 @@ def build_multimodal_mask(
 
     `batch_segments` may also be one row's flat list of segments. `document_ids`, if given, holds one
     id per segment per row and overrides the segments' `document`. `seq_len` defaults to the longest
-    row; shorter rows are padded (padding is fully masked).
+    row; shorter rows are padded (padding is fully masked). The segments become per-position
+    columns (`segment_columns`) and the intervals come from `mask_from_columns`.
     """
     if len(batch_segments) > 0 and isinstance(batch_segments[0], Segment | Mapping):
         batch_segments = [batch_segments]  # type: ignore[list-item]
@@ -181,4 +238,6 @@ def build_multimodal_mask(
     total = max(used) if seq_len is None else int(seq_len)
     if total < max(used):
         raise ValueError(f"seq_len={total} is shorter than the segments, which cover {max(used)} positions")
-    return torch.stack([_row_indices(row, r, total) for r, row in enumerate(rows)]).unsqueeze(1)
+    columns = [segment_columns(row, r, total) for r, row in enumerate(rows)]
+    return mask_from_columns(*(torch.stack([c[key] for c in columns]) for key in
+                               ("segment_ids", "doc_ids", "attention", "window")))

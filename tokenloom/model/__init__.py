@@ -3,14 +3,18 @@
 Exports resolve lazily so that reading a config does not import torch.
 """
 
-from tokenloom.model.config import ElasticConfig, ModelConfig
+from tokenloom.model.config import ElasticConfig, ModelConfig, MoEConfig
 
-__all__ = ["ElasticConfig", "ModelConfig", "SubModel", "UnifiedModel", "export_submodel", "routing_metrics"]
+__all__ = ["ElasticConfig", "ModelConfig", "MoEConfig", "SubModel", "UnifiedModel", "export_submodel",
+           "routing_metrics", "sample_submodel"]
+
+_LAZY = {"UnifiedModel": "unified", "routing_metrics": "unified", "SubModel": "elastic",
+         "export_submodel": "elastic", "sample_submodel": "elastic"}
 
 
 def __getattr__(name: str):
-    if name in ("UnifiedModel", "SubModel", "export_submodel", "routing_metrics"):
-        from tokenloom.model import unified
+    if name in _LAZY:
+        import importlib
 
-        return getattr(unified, name)
+        return getattr(importlib.import_module(f"tokenloom.model.{_LAZY[name]}"), name)
     raise AttributeError(name)

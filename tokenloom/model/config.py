@@ -1,8 +1,47 @@
-"""Model configuration: size, experts, heads and elastic training; the token space comes from the manifest."""
+"""Model configuration: size, experts, heads and elastic training; the token space comes from the manifest.
+
+Each component owns its dataclass: `MoEConfig` (the routed and shared experts of every layer)
+and `ElasticConfig` (sub-model sampling) are nested in `ModelConfig`, so a run config writes
+`model.moe.top_k` or `model.elastic.enabled`, and `MoE` takes its own config whole instead of
+a long argument list.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+MOE_IMPLS = ("grouped", "loop")
+ROPE_AXES = ("interleaved", "sections")  # see ModelConfig.rope_axes  # how Experts runs its experts, see tokenloom.model.moe
+
+
+@dataclass
+class MoEConfig:
+    """Fine-grained routed experts plus shared ones, in every layer (tokenloom.model.moe).
+
+    `impl` picks how the experts compute: "grouped" (one grouped matmul per projection over
+    all experts) or "loop" (one matmul per expert, the plain twin the tests hold it to).
+    """
+
+    n_experts: int = 16
+    top_k: int = 2
+    expert_hidden: int = 128
+    n_shared_experts: int = 1
+    router_bias_update: float = 1e-3  # auxiliary-loss-free balancing speed (0: off)
+    seq_balance_weight: float = 0.0  # optional sequence-level balance loss weight (DeepSeek-V3 uses 1e-4)
+    router_z_weight: float = 0.0  # optional router z-loss weight (ST-MoE uses 1e-3)
+    impl: str = "grouped"
+
+    def validate(self) -> None:
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"model.moe.top_k must be in [1, model.moe.n_experts={self.n_experts}], got {self.top_k}")
+        if self.expert_hidden < 1 or self.n_shared_experts < 0:
+            raise ValueError("model.moe.expert_hidden must be >= 1 and model.moe.n_shared_experts >= 0, got "
+                             f"{self.expert_hidden} and {self.n_shared_experts}")
+        for name in ("router_bias_update", "seq_balance_weight", "router_z_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.moe.{name} must be >= 0, got {getattr(self, name)}")
+        if self.impl not in MOE_IMPLS:
+            raise ValueError(f"model.moe.impl must be one of {MOE_IMPLS}, got {self.impl!r}")
 
 
 @dataclass
@@ -44,16 +83,14 @@ class ModelConfig:
     n_heads: int = 4
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
+    # how the rotary frequencies are shared by the (t, h, w) axes: "interleaved" (t, h, w, t, ...:
+    # every axis gets high and low frequencies, as Qwen3-VL) or "sections" (t the highest half, h
+    # and w a quarter each of the lowest, as Qwen2-VL; the w axis barely turns at small head sizes)
+    rope_axes: str = "interleaved"
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     # mixture of experts (every layer): fine-grained routed experts plus shared ones
-    n_experts: int = 16
-    top_k: int = 2
-    expert_hidden: int = 128
-    n_shared_experts: int = 1
-    router_bias_update: float = 1e-3  # auxiliary-loss-free balancing speed (0: off)
-    seq_balance_weight: float = 0.0  # optional sequence-level balance loss weight (DeepSeek-V3 uses 1e-4)
-    router_z_weight: float = 0.0  # optional router z-loss weight (ST-MoE uses 1e-3)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     # prediction heads
     mtp: bool = False  # an extra head predicting the token after next (text and image), depth 1
     mtp_weight: float = 0.3
@@ -69,11 +106,12 @@ class ModelConfig:
             raise ValueError("model.vocab_size must be set (it comes from the vocabulary manifest)")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 4:
             raise ValueError(f"model.dim {self.dim} must split into {self.n_heads} heads of a size divisible by 4")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"model.top_k must be in [1, model.n_experts={self.n_experts}], got {self.top_k}")
-        if self.n_layers < 1 or self.expert_hidden < 1:
-            raise ValueError("model.n_layers and model.expert_hidden must be >= 1")
+        if self.n_layers < 1:
+            raise ValueError(f"model.n_layers must be >= 1, got {self.n_layers}")
         for start, stop in self.audio_ranges:
             if not 0 <= start < stop <= self.vocab_size:
                 raise ValueError(f"audio range [{start}, {stop}) outside the vocabulary [0, {self.vocab_size})")
+        if self.rope_axes not in ROPE_AXES:
+            raise ValueError(f"model.rope_axes must be one of {ROPE_AXES}, got {self.rope_axes!r}")
+        self.moe.validate()
         self.elastic.validate()

@@ -11,7 +11,18 @@ z-loss (mean logsumexp(logits)^2). Every token is processed: there is no capacit
 Experts are SwiGLU MLPs stored as stacked weights ([E, D, 2H] and [E, H, D]), so one parameter
 holds all experts and a rank that owns a slice of them (expert parallelism, applied from the
 trainer) holds a slice of each tensor. Tokens are sorted by expert, each expert runs on its
-contiguous slice, and the weighted outputs are added back to their tokens.
+contiguous slice, and the weighted outputs are added back to their tokens. Two ways to run the
+experts on their slices (`MoEConfig.impl`), equal in output and gradients (tests/test_moe.py):
+
+    grouped  all experts in one autograd node (`GroupedSwiGLU`) with a hand-written backward that
+             writes each weight gradient straight into its [E, ...] tensor: on GPUs one
+             `F.grouped_mm` per product over all experts, on CPUs expert by expert with each
+             expert's activation between its two products (cache-friendly), and, where ATen
+             multiplies bf16 in its own loops (no oneDNN bf16), operands in their fast layout;
+    loop     one matmul per expert through autograd: the plain PyTorch twin, kept as the reference.
+
+The loop's backward has to stack E per-expert weight gradients into the stacked parameters
+and to split and concatenate the activations; the grouped path does neither.
 
 The expert computation goes through `self.dispatcher(x_sorted, counts)` when the trainer has set
 one (an all-to-all dispatcher for expert parallelism; this file knows nothing of process
@@ -26,6 +37,7 @@ Shapes: N tokens, D model dim, E routed experts, H expert hidden size, k experts
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -33,7 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-N_MODALITY_SLOTS = 4  # text, image, audio, padding (padding is excluded from the load)
+from tokenloom.contract import MODALITY_SLOTS, PAD_MODALITY
+from tokenloom.model.config import MOE_IMPLS, MoEConfig
 
 
 class SwiGLU(nn.Module):
@@ -47,12 +60,144 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class GroupedSwiGLU(torch.autograd.Function):
+    """y = (silu(x W_gate) * (x W_up)) W_down for every expert's rows in one autograd node.
+
+    x [N, D] grouped by expert with counts[e] rows for expert e, gate_up [E, D, 2H], down [E, H, D]
+    -> y [N, D]. Experts with no rows are fine: their weight gradients are zero. Only x and the
+    pre-activation h = x W_gate_up [N, 2H] are kept for backward; the activation is recomputed
+    there. Backward, per expert e on its rows:
+
+        da = dy W_down^T                       dW_down[e] = a^T dy
+        dh = [silu'(gate) * da * up, da * silu(gate)]
+        dx = dh W_gate_up^T                    dW_gate_up[e] = x^T dh
+
+    with each weight gradient written straight into its [E, ...] tensor (the loop twin's autograd
+    stacks E slices instead, and splits and concatenates the activations).
+
+    Two kernels compute the same products. "grouped_mm": one `F.grouped_mm` per product over all
+    experts (on GPUs one kernel launch for all experts). "per_expert": plain matmuls expert by
+    expert, the activation between each expert's two products, so its rows stay in cache; ATen's
+    CPU grouped_mm is itself a loop of matmuls, and this order measured faster on CPUs
+    (bench/RESULTS.md). All operands share one dtype (`Experts` casts them for autocast:
+    grouped_mm has no autocast rule).
+
+    `cpu_layouts` (per_expert only): give every product a column-major left and a row-major right
+    operand (one transposing copy each). On CPUs without oneDNN bf16/fp16 support (AVX2), ATen
+    multiplies reduced-precision matrices in its own loops, 5-10x faster in that layout than in
+    the row-major one; it changes nothing in what is computed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, counts: tuple[int, ...], kernel: str = "grouped_mm",
+                cpu_layouts: bool = False):
+        if kernel not in ("grouped_mm", "per_expert"):
+            raise ValueError(f"GroupedSwiGLU kernel must be grouped_mm or per_expert, got {kernel!r}")
+        ctx.counts, ctx.kernel, ctx.cpu_layouts = counts, kernel, cpu_layouts
+        if kernel == "grouped_mm":
+            offs = _offsets(counts, x.device)
+            h = F.grouped_mm(x, gate_up, offs=offs)
+            gate, up = h.chunk(2, dim=-1)
+            y = F.grouped_mm(F.silu(gate) * up, down, offs=offs)
+        else:
+            left = _column_major if cpu_layouts else _same
+            h, y = x.new_empty(x.shape[0], gate_up.shape[-1]), x.new_empty(x.shape[0], down.shape[-1])
+            for e, rows in _expert_rows(counts):
+                torch.mm(left(x[rows]), gate_up[e], out=h[rows])
+                gate, up = h[rows].chunk(2, dim=-1)
+                torch.mm(left(F.silu(gate) * up), down[e], out=y[rows])
+        ctx.save_for_backward(x, gate_up, down, h)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, gate_up, down, h = ctx.saved_tensors
+        need_x, need_gate_up, need_down = ctx.needs_input_grad[:3]
+        grad_y = grad_y.contiguous()  # grouped_mm refuses the stride-0 gradient of a .sum()
+        if ctx.kernel == "grouped_mm":
+            offs = _offsets(ctx.counts, x.device)
+            grad_a = F.grouped_mm(grad_y, down.transpose(-2, -1), offs=offs)
+            grad_h, a = _swiglu_backward(h, grad_a)
+            grad_down = F.grouped_mm(a.t(), grad_y, offs=offs) if need_down else None
+            grad_x = F.grouped_mm(grad_h, gate_up.transpose(-2, -1), offs=offs) if need_x else None
+            grad_gate_up = F.grouped_mm(x.t(), grad_h, offs=offs) if need_gate_up else None
+            return grad_x, grad_gate_up, grad_down, None, None, None
+        left, right = (_column_major, _row_major) if ctx.cpu_layouts else (_same, _same)
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_gate_up = torch.empty_like(gate_up) if need_gate_up else None
+        grad_down = torch.empty_like(down) if need_down else None
+        for e, n in enumerate(ctx.counts):  # every expert's slice is written below, or zeroed here
+            if n == 0:
+                for grad in (grad_gate_up, grad_down):
+                    if grad is not None:
+                        grad[e].zero_()
+        for e, rows in _expert_rows(ctx.counts):
+            dy = grad_y[rows]
+            grad_h, a = _swiglu_backward(h[rows], left(dy) @ right(down[e].t()))
+            if need_down:
+                torch.mm(a.t(), dy, out=grad_down[e])
+            if need_x:
+                torch.mm(left(grad_h), right(gate_up[e].t()), out=grad_x[rows])
+            if need_gate_up:
+                torch.mm(x[rows].t(), grad_h, out=grad_gate_up[e])
+        return grad_x, grad_gate_up, grad_down, None, None, None
+
+
+def _offsets(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """grouped_mm's `offs`: int32 [E], the end row of each expert's group."""
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+def _expert_rows(counts: tuple[int, ...]):
+    """(expert, its slice of rows) for every expert with rows."""
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, slice(start, start + n)
+        start += n
+
+
+def _swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = [gate, up] [n, 2H] and the gradient of a = silu(gate) * up -> (gradient of h, a)."""
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate)
+    return torch.cat([torch.ops.aten.silu_backward(grad_a * up, gate), grad_a * act], dim=-1), act * up
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix [N, K], stored column by column."""
+    return t.t().contiguous().t()
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous()
+
+
+@functools.cache
+def _aten_multiplies_in_loops(dtype: torch.dtype) -> bool:
+    """Whether this CPU's reduced-precision matmuls run in ATen's own loops (no oneDNN support),
+    asked once at the first call, never at import."""
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    if check is None:
+        return False
+    try:
+        return not (torch.backends.mkldnn.is_available() and getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # the probe moved: keep the default layouts
+        return False
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as stacked weights; `forward` runs expert e on the e-th slice of its input."""
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, impl: str = "grouped"):
         super().__init__()
-        self.n_experts, self.dim, self.hidden = n_experts, dim, hidden
+        if impl not in MOE_IMPLS:
+            raise ValueError(f"expert impl must be one of {MOE_IMPLS}, got {impl!r}")
+        self.n_experts, self.dim, self.hidden, self.impl = n_experts, dim, hidden, impl
         self.gate_up = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden))
         self.down = nn.Parameter(torch.empty(n_experts, hidden, dim))
         nn.init.normal_(self.gate_up, std=0.02)
@@ -62,6 +207,25 @@ class Experts(nn.Module):
         """x_sorted [N, D], grouped by expert with counts[e] rows for expert e -> [N, D]."""
         if len(counts) != self.gate_up.shape[0]:
             raise ValueError(f"{len(counts)} expert counts for {self.gate_up.shape[0]} experts")
+        if sum(counts) != x_sorted.shape[0]:
+            raise ValueError(f"expert counts sum to {sum(counts)}, but {x_sorted.shape[0]} rows were given")
+        return self._grouped(x_sorted, counts) if self.impl == "grouped" else self._loop(x_sorted, counts)
+
+    def _grouped(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        device = x_sorted.device.type
+        # matmuls under autocast run in its dtype; grouped_mm is not on autocast's list, so cast here
+        # (the casts are autograd ops: the weight gradients arrive in the parameters' dtype)
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_sorted.dtype
+        if device == "cpu":
+            kernel, cpu_layouts = "per_expert", _aten_multiplies_in_loops(dtype)
+        else:
+            # grouped_mm wants strides of whole 16-byte units: D and H multiples of 8 (in bf16)
+            aligned = (self.dim * 2) % 16 == 0 and (self.hidden * 2) % 16 == 0
+            kernel, cpu_layouts = ("grouped_mm" if aligned else "per_expert"), False
+        return GroupedSwiGLU.apply(x_sorted.to(dtype), self.gate_up.to(dtype), self.down.to(dtype), tuple(counts),
+                                   kernel, cpu_layouts)
+
+    def _loop(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         # One unbind, not E indexings: the backward of each `param[e]` writes its gradient into a
         # fresh zero tensor of the whole [E, ...] parameter, which made the backward O(E^2) memory
         # traffic (9x the matmul time at E=64); unbind's backward stacks the E slices once.
@@ -78,22 +242,22 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, n_experts: int, top_k: int, expert_hidden: int, n_shared: int = 1,
-                 bias_update: float = 1e-3, seq_balance_weight: float = 0.0, z_loss_weight: float = 0.0):
+    """One MoE feed-forward: router, E routed SwiGLU experts (top-k per token) and shared experts."""
+
+    def __init__(self, dim: int, cfg: MoEConfig):
         super().__init__()
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
-        self.n_experts, self.top_k = n_experts, top_k
-        self.bias_update, self.seq_balance_weight, self.z_loss_weight = bias_update, seq_balance_weight, z_loss_weight
-        self.router = nn.Parameter(torch.empty(n_experts, dim))
+        cfg.validate()
+        self.cfg = cfg
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.router = nn.Parameter(torch.empty(cfg.n_experts, dim))
         nn.init.normal_(self.router, std=0.02)
-        self.register_buffer("expert_bias", torch.zeros(n_experts))
-        self.experts = Experts(n_experts, dim, expert_hidden)
-        self.shared = SwiGLU(dim, expert_hidden * n_shared) if n_shared > 0 else None
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.experts = Experts(cfg.n_experts, dim, cfg.expert_hidden, cfg.impl)
+        self.shared = SwiGLU(dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts > 0 else None
         # None: every expert runs here; the trainer sets an all-to-all dispatcher (a plain callable,
         # not a module, so the state dict keeps one copy of the weights) for expert parallelism
         self.dispatcher: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None
-        self.last_load: torch.Tensor | None = None  # [N_MODALITY_SLOTS, E] token-expert assignments
+        self.last_load: torch.Tensor | None = None  # [MODALITY_SLOTS, E] token-expert assignments
 
     # -- routing --------------------------------------------------------------------------
     def route(self, x: torch.Tensor, allowed: torch.Tensor | None = None, top_k: int | None = None
@@ -114,7 +278,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, modality: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
                 top_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, L, D], modality [B, L] (0 text, 1 image, 2 audio, 3 padding) -> (y [B, L, D], aux loss)."""
+        """x [B, L, D], modality [B, L] (contract.MODALITY_IDS, PAD_MODALITY for padding) -> (y [B, L, D], aux loss)."""
         B, L, D = x.shape
         flat = x.reshape(-1, D)
         logits, chosen, weights = self.route(flat, allowed, top_k)
@@ -123,7 +287,7 @@ class MoE(nn.Module):
         order = expert_of.argsort(stable=True)
         token_of = order // k
         counts = torch.bincount(expert_of, minlength=self.n_experts)
-        y_sorted = (self.dispatcher or self.experts)(flat[token_of], counts.tolist())
+        y_sorted = (self.dispatcher or self.experts)(flat.index_select(0, token_of), counts.tolist())
         y_sorted = y_sorted * weights.reshape(-1)[order, None].to(y_sorted.dtype)
         y = torch.zeros_like(flat).index_add_(0, token_of, y_sorted.to(flat.dtype))
         if self.shared is not None:
@@ -131,17 +295,17 @@ class MoE(nn.Module):
 
         mod = (modality.reshape(-1) if modality is not None
                else torch.zeros(B * L, dtype=torch.long, device=x.device))
-        valid = mod < N_MODALITY_SLOTS - 1
+        valid = mod < PAD_MODALITY
         with torch.no_grad():
             slot = mod.repeat_interleave(k) * self.n_experts + expert_of
-            self.last_load = torch.bincount(slot, minlength=N_MODALITY_SLOTS * self.n_experts).view(
-                N_MODALITY_SLOTS, self.n_experts).float()
+            self.last_load = torch.bincount(slot, minlength=MODALITY_SLOTS * self.n_experts).view(
+                MODALITY_SLOTS, self.n_experts).float()
         aux = logits.new_zeros(())
-        if self.training and self.seq_balance_weight > 0:
-            aux = aux + self.seq_balance_weight * self._sequence_balance(logits, chosen, valid, B, L, allowed)
-        if self.training and self.z_loss_weight > 0:
+        if self.training and self.cfg.seq_balance_weight > 0:
+            aux = aux + self.cfg.seq_balance_weight * self._sequence_balance(logits, chosen, valid, B, L, allowed)
+        if self.training and self.cfg.router_z_weight > 0:
             z = torch.logsumexp(logits, dim=-1).square()
-            aux = aux + self.z_loss_weight * (z * valid).sum() / valid.sum().clamp_min(1)
+            aux = aux + self.cfg.router_z_weight * (z * valid).sum() / valid.sum().clamp_min(1)
         return y.view(B, L, D), aux
 
     def _sequence_balance(self, logits, chosen, valid, B, L, allowed) -> torch.Tensor:
@@ -166,11 +330,11 @@ class MoE(nn.Module):
         `load` [E] counts the tokens each expert received over the step (summed over ranks by
         the caller, so every rank applies the same update). With `allowed` (the step's elastic
         width restriction) only the experts that could be chosen are compared and moved."""
-        if self.bias_update <= 0 or float(load.sum()) == 0:
+        if self.cfg.router_bias_update <= 0 or float(load.sum()) == 0:
             return
         load = load.float().to(self.expert_bias.device)
         mask = torch.ones_like(load, dtype=torch.bool) if allowed is None else allowed.to(load.device)
-        step = self.bias_update * torch.sign(load[mask].mean() - load)
+        step = self.cfg.router_bias_update * torch.sign(load[mask].mean() - load)
         self.expert_bias += torch.where(mask, step, torch.zeros_like(step))
 
 

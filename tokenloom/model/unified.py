@@ -6,66 +6,62 @@ of the ids in its group: one id for text and image tokens, the L level codes of 
 Rotary positions are 3-D (t, h, w) as in M-RoPE: text and audio carry t = h = w, so the rotation
 is plain 1-D RoPE; image tokens carry their row and column, so the grid is kept. Attention goes
 through FlashMask (`tokenloom.kernels.flashmask_attention`) with the mask built from the batch's
-segments: text causal, an image bidirectional within itself, audio within a window, packed
-samples apart. Every layer's feed-forward is a fine-grained MoE with shared experts
+segments: text causal, an image bidirectional within each row and causal across rows, audio
+within a window, packed samples apart. Every layer's feed-forward is a fine-grained MoE with shared experts
 (`tokenloom.model.moe`), routed without regard to modality.
 
 Prediction, one group ahead. The shared output head scores the whole vocabulary for the next
-position's first id: the next text or image token, or the next audio frame's level-0 code (or
-`<eoa>`). An audio frame's levels 1..L-1 come from per-level heads, teacher-forced: level l sees
+position's first id: the next text token, the code in the same column of the next image row
+(datasets/stream.py: a learned start row predicts row 0), or the next audio frame's level-0 code
+(or `<eoa>`). An audio frame's levels 1..L-1 come from per-level heads, teacher-forced: level l sees
 the hidden state plus the embeddings of the true codes of levels < l. With `mtp`, a depth-1
-multi-token head also predicts the text/image token after next from the hidden state and the
+multi-token head also predicts the text token after next from the hidden state and the
 next token's embedding (DeepSeek-V3's MTP, without its extra attention block).
 
-Elastic sub-models (`SubModel`): a subset of layers, routing restricted to a subset of experts,
-and a smaller top-k. `export_submodel` copies such a sub-model into a standalone model whose
-outputs equal the full model's under the same restriction.
+Elastic sub-models (`tokenloom.model.elastic.SubModel`): a subset of layers, routing restricted
+to a subset of experts, and a smaller top-k, applied per forward; `elastic.export_submodel`
+copies one into a standalone model.
+
+The attention mask's intervals come from the batch's per-position segment columns
+(`mask_indices`, batched, no loop over rows); the trainer computes them once per micro-batch and
+passes them in, and `forward` computes them itself when they are not given.
 
 Shapes: B batch, P positions, G id slots per position, D model dim, H heads, E experts, V vocab.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from tokenloom.kernels import Segment, build_multimodal_mask, flashmask_attention
+from tokenloom.contract import IGNORE_INDEX, MODALITIES, MODALITY_IDS, MODALITY_SLOTS, PAD_MODALITY
+from tokenloom.kernels import flashmask_attention, mask_from_columns
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.elastic import SubModel
 from tokenloom.model.moe import MoE, SwiGLU, load_metrics
-
-IGNORE_INDEX = -100
-MODALITIES = ("text", "image", "audio")
-KINDS = ("causal", "bidirectional", "window")
-
-
-@dataclass(frozen=True)
-class SubModel:
-    """An elastic restriction: layers kept (None: all), experts routable (None: all), top-k (None: config)."""
-
-    layers: tuple[int, ...] | None = None
-    experts: tuple[int, ...] | None = None
-    top_k: int | None = None
-
-    def describe(self) -> dict:
-        return {"layers": list(self.layers) if self.layers is not None else None,
-                "experts": len(self.experts) if self.experts is not None else None, "top_k": self.top_k}
 
 
 # -- positions and masks -------------------------------------------------------------------
-def rope_tables(coords: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, P, 1, Dh/2] for coordinates [B, P, 3] (t, h, w): the first half of the rotary
-    frequencies turn with t, a quarter each with h and w."""
+def rope_tables(coords: torch.Tensor, head_dim: int, theta: float, axes: str = "interleaved"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, P, 1, Dh/2] for coordinates [B, P, 3] (t, h, w).
+
+    "interleaved": frequency i turns with axis i mod 3, so each axis spans the whole spectrum
+    and an image's rows and columns are told apart at any head size. "sections": the first half
+    of the frequencies turn with t, a quarter each with h and w (Qwen2-VL). Text and audio carry
+    t = h = w, so both are plain 1-D RoPE for them."""
     half = head_dim // 2
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=coords.device).float() / head_dim)
-    n_t = half // 2
-    n_h = (half - n_t) // 2
-    axis = torch.tensor([0] * n_t + [1] * n_h + [2] * (half - n_t - n_h), device=coords.device)
+    if axes == "interleaved":
+        axis = torch.arange(half, device=coords.device) % 3
+    else:
+        n_t = half // 2
+        n_h = (half - n_t) // 2
+        axis = torch.tensor([0] * n_t + [1] * n_h + [2] * (half - n_t - n_h), device=coords.device)
     angles = coords.float()[..., axis] * freqs  # [B, P, Dh/2]
     return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
 
@@ -77,22 +73,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def mask_indices(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """FlashMask `startend_row_indices` [B, 1, P, 4] (causal=False) from the batch's segment columns."""
-    seg, docs = batch["segment_ids"].cpu(), batch["doc_ids"].cpu()
-    kinds, windows, mods = batch["attention"].cpu(), batch["window"].cpu(), batch["modality"].cpu()
-    P = seg.shape[1]
-    rows = []
-    for b in range(seg.shape[0]):
-        starts = torch.nonzero(torch.diff(seg[b], prepend=seg[b, :1] - 1)).flatten().tolist()
-        bounds = starts + [P]
-        row = []
-        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
-            kind = KINDS[int(kinds[b, s])]
-            modality = MODALITIES[int(mods[b, s])] if int(mods[b, s]) < len(MODALITIES) else "text"  # padding
-            row.append(Segment(modality, s, e - s, kind, int(windows[b, s]) if kind == "window" else None,
-                               int(docs[b, s])))
-        rows.append(row)
-    return build_multimodal_mask(rows, seq_len=P).to(batch["segment_ids"].device)
+    """FlashMask `startend_row_indices` int32 [B, 1, P, 4] (causal=False) from a batch's segment columns.
+
+    Batched and on the batch's device (`kernels.mask_from_columns`). A stream row's padding is a
+    causal segment of its last document (datasets/stream.py), so it needs nothing special here.
+    The trainer calls this once per micro-batch and passes the result to `loss`/`forward`."""
+    return mask_from_columns(batch["segment_ids"], batch["doc_ids"], batch["attention"], batch["window"])
 
 
 # -- layers ----------------------------------------------------------------------------------
@@ -103,10 +89,13 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, indices):
+    def forward(self, x, cos, sin, indices, cache=None):
         q, k, v = rearrange(self.qkv(x), "b l (three h d) -> three b l h d", three=3, h=self.n_heads)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = flashmask_attention(q, k, v, indices, causal=False, backend=self.backend)
+        if cache is not None:  # decoding: append k, v to this layer's cache and attend to all of it
+            y = cache.attend(q, k, v)
+        else:
+            y = flashmask_attention(q, k, v, indices, causal=False, backend=self.backend)
         return self.out(rearrange(y.to(x.dtype), "b l h d -> b l (h d)"))
 
 
@@ -116,11 +105,10 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.moe_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.moe = MoE(cfg.dim, cfg.n_experts, cfg.top_k, cfg.expert_hidden, cfg.n_shared_experts,
-                       cfg.router_bias_update, cfg.seq_balance_weight, cfg.router_z_weight)
+        self.moe = MoE(cfg.dim, cfg.moe)
 
-    def forward(self, x, cos, sin, indices, modality, allowed, top_k):
-        x = x + self.attn(self.attn_norm(x), cos, sin, indices)
+    def forward(self, x, cos, sin, indices, modality, allowed, top_k, cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, indices, cache)
         y, aux = self.moe(self.moe_norm(x), modality, allowed, top_k)
         return x + y, aux
 
@@ -187,15 +175,20 @@ class UnifiedModel(nn.Module):
         return (self.embed(ids.clamp_min(0)) * used[..., None].to(self.embed.weight.dtype)).sum(2)
 
     def forward(self, batch: dict[str, torch.Tensor], sub: SubModel | None = None,
-                indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states [B, P, D] (normed) and the summed auxiliary routing loss."""
+                indices: torch.Tensor | None = None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states [B, P, D] (normed) and the summed auxiliary routing loss.
+
+        `indices`: the batch's FlashMask intervals (`mask_indices(batch)`); computed here when not given.
+        `cache`: a `generate.KVCache` whose visibility for these positions is prepared; the batch
+        then holds only the new positions (ids, coords, modality) and attention reads the cache."""
         sub = sub or SubModel()
         cfg = self.cfg
-        indices = mask_indices(batch) if indices is None else indices
-        cos, sin = rope_tables(batch["coords"], cfg.dim // cfg.n_heads, cfg.rope_theta)
+        if cache is None and indices is None:
+            indices = mask_indices(batch)
+        cos, sin = rope_tables(batch["coords"], cfg.dim // cfg.n_heads, cfg.rope_theta, cfg.rope_axes)
         allowed = None
         if sub.experts is not None:
-            allowed = torch.zeros(cfg.n_experts, dtype=torch.bool, device=batch["ids"].device)
+            allowed = torch.zeros(cfg.moe.n_experts, dtype=torch.bool, device=batch["ids"].device)
             allowed[list(sub.experts)] = True
         layers = range(len(self.blocks)) if sub.layers is None else sub.layers
         for moe in self.moe_layers():
@@ -203,22 +196,24 @@ class UnifiedModel(nn.Module):
         x = self.embed_groups(batch["ids"])
         aux = x.new_zeros((), dtype=torch.float32)
         for i in layers:
-            x, layer_aux = self.blocks[i](x, cos, sin, indices, batch["modality"], allowed, sub.top_k)
+            layer_cache = None if cache is None else cache.layers[i]
+            x, layer_aux = self.blocks[i](x, cos, sin, indices, batch["modality"], allowed, sub.top_k, layer_cache)
             aux = aux + layer_aux
         return self.norm(x), aux
 
-    def logits(self, batch: dict[str, torch.Tensor], sub: SubModel | None = None) -> torch.Tensor:
+    def logits(self, batch: dict[str, torch.Tensor], sub: SubModel | None = None,
+               indices: torch.Tensor | None = None) -> torch.Tensor:
         """Next-position scores over the whole vocabulary [B, P, V]."""
-        return self.head(self.forward(batch, sub)[0])
+        return self.head(self.forward(batch, sub, indices)[0])
 
     # -- loss -----------------------------------------------------------------------------
-    def loss(self, batch: dict[str, torch.Tensor], sub: SubModel | None = None
+    def loss(self, batch: dict[str, torch.Tensor], sub: SubModel | None = None, indices: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Token-weighted cross-entropy over every predicted id (+ routing aux, + weighted MTP).
 
         Returns the loss to minimise and its parts: the mean CE per target modality (detached
         sums and counts are kept too, so the trainer can average them over ranks)."""
-        h, aux = self.forward(batch, sub)
+        h, aux = self.forward(batch, sub, indices)
         labels = batch["labels"]
         target = labels[..., 0]
         has_target = target != IGNORE_INDEX
@@ -229,7 +224,7 @@ class UnifiedModel(nn.Module):
         for m, name in enumerate(MODALITIES):
             sel = tm == m
             sums[name], counts[name] = ce[sel].sum(), sel.sum()
-        audio = tmod == MODALITIES.index("audio")
+        audio = tmod == MODALITY_IDS["audio"]
         if audio.any() and len(self.level_heads):
             h_a, lab = h[audio], labels[audio]  # [Na, D], [Na, G]
             cond = h_a
@@ -255,9 +250,12 @@ class UnifiedModel(nn.Module):
         return loss, parts
 
     def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, tmod: torch.Tensor) -> torch.Tensor:
-        """Predict position i+2's token from h_i and the embedding of position i+1's token (text/image)."""
-        token_like = (tmod >= 0) & (tmod <= 1)
-        ok = token_like[:, :-1] & token_like[:, 1:]  # i+1 and i+2 are text/image of the same sample
+        """Predict position i+2's token from h_i and the embedding of position i+1's token (text targets).
+
+        Only where positions i and i+1 both predict text, i.e. their next position: an image
+        position predicts the row below, whose next row may sit in its own row's view (a leak)."""
+        text = tmod == MODALITY_IDS["text"]
+        ok = text[:, :-1] & text[:, 1:]  # i+1 and i+2 are the next two text tokens of one sample
         if not ok.any():
             return h.new_zeros((), dtype=torch.float32)
         h_i = h[:, :-1][ok]
@@ -267,58 +265,31 @@ class UnifiedModel(nn.Module):
 
     # -- routing statistics and balancing -------------------------------------------------
     def routing_loads(self) -> torch.Tensor:
-        """[layers, 4, E] token-expert assignments of the last forward (rows: text, image, audio, padding)."""
-        out = torch.zeros(len(self.blocks), 4, self.cfg.n_experts)
+        """[layers, MODALITY_SLOTS, E] token-expert assignments of the last forward (padding last)."""
+        out = torch.zeros(len(self.blocks), MODALITY_SLOTS, self.cfg.moe.n_experts)
         for i, moe in enumerate(self.moe_layers()):
             if moe.last_load is not None:
                 out[i] = moe.last_load.cpu()
         return out
 
     def update_router_bias(self, loads: torch.Tensor, sub: SubModel | None = None) -> None:
-        """Auxiliary-loss-free step for every layer from loads [layers, 4, E] (padding excluded)."""
+        """Auxiliary-loss-free step for every layer from loads [layers, MODALITY_SLOTS, E] (padding excluded)."""
         allowed = None
         if sub is not None and sub.experts is not None:
-            allowed = torch.zeros(self.cfg.n_experts, dtype=torch.bool)
+            allowed = torch.zeros(self.cfg.moe.n_experts, dtype=torch.bool)
             allowed[list(sub.experts)] = True
         for i, moe in enumerate(self.moe_layers()):
-            moe.update_bias(loads[i, :3].sum(0), allowed)
+            moe.update_bias(loads[i, :PAD_MODALITY].sum(0), allowed)
 
 
 def routing_metrics(loads: torch.Tensor) -> dict[str, float]:
-    """Per layer and modality: expert load balance of loads [layers, 4, E] (padding ignored)."""
+    """Per layer and modality: expert load balance of loads [layers, MODALITY_SLOTS, E] (padding ignored)."""
     out: dict[str, float] = {}
     for layer in range(loads.shape[0]):
         for m, name in enumerate((*MODALITIES, "all")):
-            load = loads[layer, :3].sum(0) if name == "all" else loads[layer, m]
+            load = loads[layer, :PAD_MODALITY].sum(0) if name == "all" else loads[layer, m]
             if float(load.sum()) == 0:
                 continue
             for key, value in load_metrics(load).items():
                 out[f"l{layer}.{name}.{key}"] = value
     return out
-
-
-def export_submodel(model: UnifiedModel, sub: SubModel) -> UnifiedModel:
-    """A standalone model equal to `model` under `sub`: fewer layers, fewer experts, smaller k."""
-    cfg = copy.deepcopy(model.cfg)
-    layers = list(range(cfg.n_layers)) if sub.layers is None else sorted(sub.layers)
-    experts = list(range(cfg.n_experts)) if sub.experts is None else sorted(sub.experts)
-    cfg.n_layers, cfg.n_experts = len(layers), len(experts)
-    cfg.top_k = sub.top_k or cfg.top_k
-    cfg.elastic.enabled = False
-    if cfg.top_k > cfg.n_experts:
-        raise ValueError(f"top-k {cfg.top_k} exceeds the {cfg.n_experts} experts kept")
-    small = UnifiedModel(cfg)
-    state = model.state_dict()
-    keep = torch.tensor(experts)
-    out = {}
-    for key in small.state_dict():
-        if key.startswith("blocks."):
-            _, new_i, rest = key.split(".", 2)
-            src = state[f"blocks.{layers[int(new_i)]}.{rest}"]
-            if rest in ("moe.router", "moe.expert_bias", "moe.experts.gate_up", "moe.experts.down"):
-                src = src[keep]
-            out[key] = src.clone()
-        else:
-            out[key] = state[key].clone()
-    small.load_state_dict(out)
-    return small

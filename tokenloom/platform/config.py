@@ -49,6 +49,18 @@ class IngestConfig:
         "audio": PoolConfig(resource_label="audio_pool", min_actors=1, max_actors=2, batch_size=4),
     })
     read_tasks: int = 0  # 0 = let Ray Data choose
+    # rows a write task buffers into one data file (per modality mix): fewer, larger Parquet files
+    # are cheaper to plan and read, and a small job does not start a write task per pool batch
+    rows_per_file: int = 8192
+    # the fraction of captioned images and transcribed audio laid out text first (caption, then
+    # the media) instead of media first: the model learns text -> image and text -> speech from
+    # the former, captioning and transcription from the latter. Chosen per sample by a hash of its
+    # id, so a sample's layout never changes between runs.
+    text_first: float = 0.5
+
+    def validate(self) -> None:
+        if not 0.0 <= self.text_first <= 1.0:
+            raise ValueError(f"ingest.text_first must be in [0, 1], got {self.text_first}")
 
     def pool(self, modality: str) -> PoolConfig:
         if modality not in self.pools:

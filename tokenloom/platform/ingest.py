@@ -45,8 +45,12 @@ class IngestResult:
     input_bytes: int = 0
 
 
-def job_id_for(dataset: str, manifest_hash: str, vocab: VocabManifest, bundles: dict[str, str]) -> str:
-    key = json.dumps([dataset, manifest_hash, vocab.id, sorted(bundles.items())])
+def job_id_for(dataset: str, manifest_hash: str, vocab: VocabManifest, bundles: dict[str, str],
+               text_first: float = 0.0) -> str:
+    parts = [dataset, manifest_hash, vocab.id, sorted(bundles.items())]
+    if text_first:  # a different layout of the same inputs is a different job
+        parts.append(round(text_first, 6))
+    key = json.dumps(parts)
     return "job-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -149,7 +153,9 @@ def run_ingest(
             needed.add(kind)
     bundles = {kind: Path(bundle_paths[kind]).name for kind in sorted(needed)}
     manifest_hash = sources.manifest_hash(files)
-    job_id = job_id_for(dataset, manifest_hash, vocab, bundles)
+    config.validate()
+    has_media = any(m in by_modality for m in ("image", "audio"))
+    job_id = job_id_for(dataset, manifest_hash, vocab, bundles, config.text_first if has_media else 0.0)
     input_bytes = sum(f.size for f in files)
 
     done = catalog.find_job(dataset, job_id)
@@ -173,7 +179,7 @@ def run_ingest(
             records.map_batches(
                 WORKERS[modality],
                 fn_constructor_kwargs={"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
-                                       "vocab": vocab.to_dict()},
+                                       "vocab": vocab.to_dict(), "text_first": config.text_first},
                 batch_format="pyarrow",
                 batch_size=pool.batch_size,
                 compute=ray.data.ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors),
@@ -184,7 +190,7 @@ def run_ingest(
         )
     ds = branches[0].union(*branches[1:]) if len(branches) > 1 else branches[0]
     location = catalog.data_location(dataset, job_id)
-    sink = ShardSink(location, job_id, vocab.id, vocab.size, sorted(bundles.values()))
+    sink = ShardSink(location, job_id, vocab.id, vocab.size, sorted(bundles.values()), config.rows_per_file or None)
     ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.5})
     out = sink.result
     if out is None or (out.samples + out.quarantined) == 0:
@@ -219,3 +225,9 @@ def run_ingest(
     )
     return IngestResult(dataset, job_id, snap.snapshot_id, False, out.samples, out.tokens, out.quarantined,
                         dict(out.reasons), skipped, time.perf_counter() - started, input_bytes)
+
+
+def shutdown_ray() -> None:
+    """Stop the local Ray runtime this process started (a job that trains next wants the cores)."""
+    if ray.is_initialized():
+        ray.shutdown()

@@ -43,13 +43,20 @@ def _reason_class(reason: str) -> str:
 
 
 class ShardSink(Datasink):
-    def __init__(self, location: str, job_id: str, vocab_id: str, vocab_size: int, bundle_ids: list[str]):
+    def __init__(self, location: str, job_id: str, vocab_id: str, vocab_size: int, bundle_ids: list[str],
+                 rows_per_file: int | None = None):
+        self.rows_per_file = rows_per_file
         self.location = location.rstrip("/")
         self.job_id = job_id
         self.vocab_id = vocab_id
         self.vocab_size = vocab_size
         self.bundle_ids = list(bundle_ids)
         self.result: TaskOutput | None = None
+
+    @property
+    def min_rows_per_write(self) -> int | None:
+        """Ray Data buffers this many rows into each `write` call (one file per modality mix)."""
+        return self.rows_per_file
 
     def on_write_start(self, schema=None) -> None:
         filesystem, path = filesystem_and_path(self.location)

@@ -7,10 +7,13 @@ record leaves the pool exactly once, as a sample or as a quarantine entry.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pyarrow as pa
 
 from tokenloom.catalog.schema import SHARD_SCHEMA
+from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
 from tokenloom.tokenizers.text import TextTokenizer
 from tokenloom.tokenizers.vocab import VocabManifest
 
@@ -24,17 +27,6 @@ OUT_SCHEMA = pa.schema(
         pa.field("error", pa.string()),
     ]
 )
-
-
-def _text_tokens(ids: list[int], offset: int, bos: int, eos: int) -> np.ndarray:
-    arr = np.empty(len(ids) + 2, dtype=np.int32)
-    arr[0], arr[-1] = bos, eos
-    arr[1:-1] = np.asarray(ids, dtype=np.int32) + offset
-    return arr
-
-
-def _segment(modality: str, start: int, length: int, grid=(), attention: str = "causal") -> dict:
-    return {"modality": modality, "start": start, "length": length, "grid": list(grid), "attention": attention}
 
 
 def _output(batch: pa.Table, token_lists: list, segments: list, errors: list | None = None) -> pa.Table:
@@ -52,19 +44,27 @@ def _output(batch: pa.Table, token_lists: list, segments: list, errors: list | N
 
 
 class TextPoolWorker:
-    """BPE-encode `payload` texts; ids become unified ids wrapped in <bos> ... <eos>."""
+    """BPE-encode `payload` texts into text samples (`tokenizers.sequence` lays them out)."""
 
     needs = ("text",)
 
-    def __init__(self, bundle_paths: dict[str, str], vocab: dict):
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0):
         manifest = VocabManifest.from_dict(vocab)
+        self.text_first = text_first
         self.tokenizer = TextTokenizer.load(bundle_paths["text"])
         if self.tokenizer.vocab_size > manifest.text.size:
             raise ValueError(
                 f"text bundle has {self.tokenizer.vocab_size} ids but the manifest's text range holds {manifest.text.size}"
             )
-        self.offset = manifest.text.start
-        self.bos, self.eos = manifest.bos_id, manifest.eos_id
+        self.layout = SampleLayout(manifest)
+
+    def _layout(self, sample_id: str, media: list, text: np.ndarray) -> list:
+        """A media sample's parts: media then its text, or text first for a `text_first` share
+        of the samples (a fixed hash of the sample id)."""
+        parts = [*media, TextPart(np.asarray(text))]
+        if media and int.from_bytes(hashlib.blake2b(sample_id.encode(), digest_size=8).digest()) / 2**64 < self.text_first:
+            parts = parts[::-1]
+        return parts
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         errors = batch.column("error").to_pylist()
@@ -74,16 +74,16 @@ class TextPoolWorker:
         token_lists: list[np.ndarray | None] = [None] * batch.num_rows
         segments: list[list[dict] | None] = [None] * batch.num_rows
         for i, ids in zip(good, encoded, strict=True):
-            token_lists[i] = _text_tokens(ids, self.offset, self.bos, self.eos)
-            segments[i] = [_segment("text", 0, len(token_lists[i]))]
+            token_lists[i], segments[i] = self.layout.assemble([TextPart(np.asarray(ids))])
         return _output(batch, token_lists, segments)
 
 
 class ImagePoolWorker(TextPoolWorker):
     """Visual-tokenize images (dual-path tokenizer) with their captions, into one sample each.
 
-    Layout of an image sample: `<bos> <boi> | h*w visual codes (raster) | <eoi> caption <eos>`,
-    segments text (causal) | image (bidirectional, grid [h, w]) | text (causal). Records with
+    An image sample is `[ImagePart, TextPart(caption)]`: `<bos> <boi> | h*w visual codes (raster)
+    | <eoi> caption <eos>` (see `tokenizers.sequence`), or caption first for the
+    `ingest.text_first` share of samples. Records with
     no image (text-only lines of a pairs file) become text samples, as in the text pool.
     Images are resized into the tokenizer's pixel budget (aspect kept) and encoded in batches
     of equal size; on a GPU actor the tokenizer runs on the GPU.
@@ -91,12 +91,12 @@ class ImagePoolWorker(TextPoolWorker):
 
     needs = ("text", "visual")
 
-    def __init__(self, bundle_paths: dict[str, str], vocab: dict):
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0):
         import torch
 
         from tokenloom.tokenizers.visual import load_visual
 
-        super().__init__(bundle_paths, vocab)
+        super().__init__(bundle_paths, vocab, text_first)
         manifest = VocabManifest.from_dict(vocab)
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,8 +106,6 @@ class ImagePoolWorker(TextPoolWorker):
         if self.model.num_codes > manifest.visual.size:
             raise ValueError(f"visual bundle has {self.model.num_codes} codes but the manifest's visual range "
                              f"holds {manifest.visual.size}")
-        self.visual_offset = manifest.visual.start
-        self.boi, self.eoi = manifest.specials["<boi>"], manifest.specials["<eoi>"]
 
     def _encode_images(self, pixels: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         from tokenloom.tokenizers.visual import prepare
@@ -144,28 +142,19 @@ class ImagePoolWorker(TextPoolWorker):
         codes = self._encode_images(pixels) if pixels else {}
         good = [i for i, err in enumerate(errors) if err is None]
         captions = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
+        ids = batch.column("sample_id").to_pylist()
         for i, caption in zip(good, captions, strict=True):
-            if i not in codes:  # a text-only record
-                token_lists[i] = _text_tokens(caption, self.offset, self.bos, self.eos)
-                segments[i] = [_segment("text", 0, len(token_lists[i]))]
-                continue
-            grid = codes[i]
-            h, w = grid.shape
-            tail = _text_tokens(caption, self.offset, self.eoi, self.eos)  # <eoi> caption <eos>
-            tokens = np.concatenate([np.array([self.bos, self.boi], dtype=np.int32),
-                                     grid.reshape(-1).astype(np.int32) + self.visual_offset, tail])
-            token_lists[i] = tokens
-            segments[i] = [_segment("text", 0, 2), _segment("image", 2, h * w, (h, w), "bidirectional"),
-                           _segment("text", 2 + h * w, len(tail))]
+            media = [ImagePart(codes[i])] if i in codes else []  # else a text-only record
+            token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], media, caption))
         return _output(batch, token_lists, segments, errors)
 
 
 class AudioPoolWorker(TextPoolWorker):
     """RVQ-tokenize audio files with their transcripts, into one sample each.
 
-    Layout: `<bos> <boa> | frames x L codes, frame-major (level 1 first) | <eoa> transcript <eos>`,
-    segments text (causal) | audio (window, grid [frames, L]) | text (causal). A level-l code c
-    becomes the id `audio[l].start + c` of the manifest. Files are read in blocks of the bundle's
+    An audio sample is `[AudioPart, TextPart(transcript)]`: `<bos> <boa> | frames x L codes,
+    frame-major | <eoa> transcript <eos>` (see `tokenizers.sequence`), or transcript first for
+    the `ingest.text_first` share of samples. Files are read in blocks of the bundle's
     `chunk_seconds`, downmixed, resampled to 16 kHz and encoded block by block, so an hours-long
     file costs one block of memory; unreadable files, zero-length audio, rates out of range and
     NaN/infinite samples are quarantined with the reason.
@@ -173,12 +162,12 @@ class AudioPoolWorker(TextPoolWorker):
 
     needs = ("text", "audio")
 
-    def __init__(self, bundle_paths: dict[str, str], vocab: dict):
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0):
         import torch
 
         from tokenloom.tokenizers.audio import load_audio
 
-        super().__init__(bundle_paths, vocab)
+        super().__init__(bundle_paths, vocab, text_first)
         manifest = VocabManifest.from_dict(vocab)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu":
@@ -188,15 +177,13 @@ class AudioPoolWorker(TextPoolWorker):
         if len(manifest.audio) != levels or any(r.size < size for r in manifest.audio):
             raise ValueError(f"audio bundle has {levels} levels of {size} codes but the manifest's audio ranges are "
                              f"{[(r.start, r.stop) for r in manifest.audio]}")
-        self.level_offsets = np.array([r.start for r in manifest.audio], dtype=np.int64)
-        self.boa, self.eoa = manifest.specials["<boa>"], manifest.specials["<eoa>"]
 
     def _encode(self, path: str) -> np.ndarray:
-        from tokenloom.datasets.audio import probe, read_blocks
+        from tokenloom.datasets.audio import read_mono
         from tokenloom.tokenizers.audio import encode_long
 
-        info = probe(path)
-        return encode_long(self.model, read_blocks(path, self.model.cfg.chunk_seconds), info.sample_rate)
+        cfg = self.model.cfg
+        return encode_long(self.model, read_mono(path, cfg.chunk_seconds, cfg.sample_rate))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from tokenloom.datasets.audio import AudioProblem
@@ -215,17 +202,10 @@ class AudioPoolWorker(TextPoolWorker):
                     errors[i] = str(exc)
         good = [i for i, err in enumerate(errors) if err is None]
         texts = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
+        ids = batch.column("sample_id").to_pylist()
         for i, text in zip(good, texts, strict=True):
-            if i not in codes:  # a text-only record of a pairs file
-                token_lists[i] = _text_tokens(text, self.offset, self.bos, self.eos)
-                segments[i] = [_segment("text", 0, len(token_lists[i]))]
-                continue
-            frames, levels = codes[i].shape
-            audio_ids = (codes[i] + self.level_offsets[None, :]).reshape(-1).astype(np.int32)  # frame-major
-            tail = _text_tokens(text, self.offset, self.eoa, self.eos)  # <eoa> transcript <eos>
-            token_lists[i] = np.concatenate([np.array([self.bos, self.boa], dtype=np.int32), audio_ids, tail])
-            segments[i] = [_segment("text", 0, 2), _segment("audio", 2, frames * levels, (frames, levels), "window"),
-                           _segment("text", 2 + frames * levels, len(tail))]
+            media = [AudioPart(codes[i])] if i in codes else []  # else a text-only record
+            token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], media, text))
         return _output(batch, token_lists, segments, errors)
 
 

@@ -3,7 +3,8 @@
 The id is the SHA-256 of the bundle's files (names and bytes), so two trainings that give
 the same tokenizer give the same id, and a shard that names a bundle names exact weights.
 Weights are safetensors for neural tokenizers and HF `tokenizer.json` for BPE; nothing is
-ever unpickled.
+ever unpickled. Because the id is the content hash, a damaged bundle is detected by hashing
+it again (`verify`) and is reported as a `BundleError` naming the bundle, before any job uses it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CONFIG_NAME = "bundle.json"
+WEIGHTS = "model.safetensors"
+KINDS = ("text", "visual", "audio")
+TRAIN_HINT = {"text": "--corpus", "visual": "--images", "audio": "--audio"}
+
+
+class BundleError(ValueError):
+    """A tokenizer bundle that cannot be used as it is on disk (damaged, or of another kind)."""
 
 
 def content_hash(directory: Path) -> str:
@@ -59,12 +67,54 @@ def load_info(path: Path) -> BundleInfo:
     config_path = Path(path) / CONFIG_NAME
     if not config_path.is_file():
         raise FileNotFoundError(f"{path} is not a tokenizer bundle (no {CONFIG_NAME})")
-    config = json.loads(config_path.read_text())
-    return BundleInfo(id=Path(path).name, kind=config["kind"], path=Path(path), config=config)
+    try:
+        config = json.loads(config_path.read_text())
+        kind = config["kind"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BundleError(f"tokenizer bundle {Path(path).name} is damaged: {config_path} is not a bundle "
+                          f"config ({type(exc).__name__}: {exc})") from None
+    return BundleInfo(id=Path(path).name, kind=kind, path=Path(path), config=config)
 
 
-def resolve(store: Path, bundle: str) -> Path:
-    """A bundle given by id (under `store`) or by path."""
+def verify(path: Path) -> BundleInfo:
+    """Hash the bundle again: BundleError when its content no longer matches its id."""
+    info = load_info(path)
+    kind, _, digest = info.id.rpartition("-")
+    if kind == info.kind and len(digest) == 16 and content_hash(Path(path))[:16] != digest:
+        raise BundleError(f"tokenizer bundle {info.id} is damaged: its files no longer hash to its id "
+                          f"(at {path}); restore it or train a new one")
+    return info
+
+
+def _bundles(store: Path, kind: str) -> list[Path]:
+    """Bundles of one kind in the store, oldest first."""
+    if not store.exists():
+        return []
+    return sorted((p for p in store.glob(f"{kind}-*") if (p / CONFIG_NAME).is_file()), key=lambda p: p.stat().st_mtime)
+
+
+def latest(store: Path, kind: str) -> Path:
+    """The newest bundle of `kind`, or FileNotFoundError saying how to make one."""
+    found = _bundles(store, kind)
+    if not found:
+        raise FileNotFoundError(f"no {kind} tokenizer in {store}; train one with `tokenloom tokenizer train {kind} "
+                                f"{TRAIN_HINT.get(kind, '')} PATH`")
+    return found[-1]
+
+
+def by_recipe(store: Path, kind: str, recipe: dict) -> BundleInfo | None:
+    """The newest bundle of `kind` whose training config equals `recipe`, if any."""
+    for path in reversed(_bundles(store, kind)):
+        info = load_info(path)
+        if info.config.get("config") == recipe:
+            return info
+    return None
+
+
+def resolve(store: Path, bundle: str, kind: str | None = None) -> Path:
+    """A bundle given by id (under `store`), by path, or as `latest` (the newest of `kind`)."""
+    if bundle == "latest" and kind is not None:
+        return latest(store, kind)
     candidate = Path(bundle)
     if (candidate / CONFIG_NAME).is_file():
         return candidate
@@ -73,11 +123,8 @@ def resolve(store: Path, bundle: str) -> Path:
     known = sorted(p.name for p in store.glob("*") if (p / CONFIG_NAME).is_file()) if store.exists() else []
     raise FileNotFoundError(
         f"no tokenizer bundle {bundle!r} in {store}; known bundles: {', '.join(known) or 'none'} "
-        "(train one with `tokenloom tokenizer train text`)"
+        f"(train one with `tokenloom tokenizer train {kind or 'text'}`)"
     )
-
-
-WEIGHTS = "model.safetensors"
 
 
 def publish_module(module, store: Path, kind: str, doc: dict) -> BundleInfo:
@@ -94,13 +141,18 @@ def publish_module(module, store: Path, kind: str, doc: dict) -> BundleInfo:
 def load_module(path: Path | str, kind: str, fmt: str, build):
     """Load a bundle written by `publish_module`: check kind and format, `build(config)` the
     module, load its weights (safetensors, strict), return it in eval mode without gradients."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_model
 
     info = load_info(Path(path))
     if info.kind != kind or info.config.get("format") != fmt:
-        raise ValueError(f"bundle {info.id} is a {info.kind} tokenizer, not a {kind} tokenizer ({fmt})")
+        raise BundleError(f"bundle {info.id} is a {info.kind} tokenizer, not a {kind} tokenizer ({fmt})")
     module = build(info.config)
-    load_model(module, str(Path(path) / WEIGHTS), strict=True)
+    try:
+        load_model(module, str(Path(path) / WEIGHTS), strict=True)
+    except (SafetensorError, OSError, RuntimeError) as exc:  # RuntimeError: tensors that do not fit the config
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise BundleError(f"tokenizer bundle {info.id} is damaged: {Path(path) / WEIGHTS}: {reason}") from None
     module.eval().requires_grad_(False)
     module.bundle_id = info.id
     return module

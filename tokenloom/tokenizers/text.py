@@ -39,8 +39,14 @@ class TextTokenizer:
     def load(path: Path) -> TextTokenizer:
         info = bundle.load_info(path)
         if info.kind != "text":
-            raise ValueError(f"bundle {info.id} is a {info.kind} tokenizer, not a text tokenizer")
-        return TextTokenizer(Tokenizer.from_file(str(Path(path) / "tokenizer.json")), info.id)
+            raise bundle.BundleError(f"bundle {info.id} is a {info.kind} tokenizer, not a text tokenizer")
+        try:
+            tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for unreadable files
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise bundle.BundleError(f"tokenizer bundle {info.id} is damaged: {Path(path) / 'tokenizer.json'}: "
+                                     f"{reason}") from None
+        return TextTokenizer(tokenizer, info.id)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]

@@ -14,17 +14,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SPECIAL_TOKENS: tuple[str, ...] = (
-    "<pad>",
-    "<bos>",
-    "<eos>",
-    "<boi>",  # begin of image
-    "<eoi>",  # end of image
-    "<boa>",  # begin of audio
-    "<eoa>",  # end of audio
-    "<row>",  # end of an image row, when a config asks for row markers
-)
-SPECIAL_BLOCK = 16  # reserved slots, so new specials do not shift the modality ranges
+from tokenloom.contract import SPECIAL_BLOCK, SPECIAL_TOKENS
+from tokenloom.tokenizers.bundle import BundleError, BundleInfo
 
 
 @dataclass(frozen=True)
@@ -133,3 +124,22 @@ class VocabManifest:
         if expected.startswith("vocab-") and manifest.id != expected:
             raise ValueError(f"vocabulary manifest {path} does not hash to its name (got {manifest.id})")
         return manifest
+
+
+def manifest_from_bundles(bundles: dict[str, BundleInfo]) -> VocabManifest:
+    """The manifest of a set of tokenizer bundles, keyed by kind ("text" required, "visual" and
+    "audio" when the inputs hold images or audio): the text bundle's vocabulary, the visual
+    bundle's codes, one range per RVQ level of the audio bundle."""
+    if "text" not in bundles:
+        raise ValueError("a vocabulary needs a text tokenizer bundle")
+    for kind, info in bundles.items():
+        if info.kind != kind:
+            raise BundleError(f"bundle {info.id} is a {info.kind} tokenizer, not a {kind} one")
+    visual, audio = bundles.get("visual"), bundles.get("audio")
+    return VocabManifest.build(
+        int(bundles["text"].config["vocab_size"]),
+        visual_size=int(visual.config["num_codes"]) if visual else 0,
+        audio_levels=int(audio.config["levels"]) if audio else 0,
+        audio_codebook=int(audio.config["codebook_size"]) if audio else 0,
+        bundles={kind: info.id for kind, info in bundles.items()},
+    )

@@ -11,7 +11,7 @@ class TrainConfig:
     micro_batch_size: int = 8
     grad_accum: int = 1
     lr: float = 3e-3
-    warmup_steps: int = 30
+    warmup_steps: int = 0  # 0: derived from the run length (`warmup`: 10% of steps, at least 1)
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
@@ -40,8 +40,14 @@ class TrainConfig:
         if self.expert_parallel > 1 and self.zero_stage not in (1, 2):
             raise ValueError("train.expert_parallel > 1 needs train.zero_stage 1 or 2 (resuming restores the "
                              "expert slices from ZeRO's master copies)")
-        if not 1 <= self.warmup_steps < self.steps:  # DeepSpeed's WarmupCosineLR needs at least one
-            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be in [1, train.steps={self.steps})")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be in [0, train.steps={self.steps}] "
+                             "(0 derives it from the run length)")
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up steps this run uses: as set, or 10% of the run (at least 1) when unset."""
+        return self.warmup_steps or max(1, round(0.1 * self.steps))
 
     def deepspeed_config(self) -> dict:
         return {
@@ -54,7 +60,7 @@ class TrainConfig:
                 "type": "WarmupCosineLR",
                 "params": {
                     "total_num_steps": self.steps,
-                    "warmup_num_steps": self.warmup_steps,
+                    "warmup_num_steps": self.warmup,
                     "warmup_type": "linear",
                     "cos_min_ratio": self.min_lr_ratio,
                 },

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from tokenloom.contract import MODALITIES
 from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
-from tokenloom.model.unified import MODALITIES, SubModel, UnifiedModel
+from tokenloom.model.elastic import SubModel
+from tokenloom.model.unified import UnifiedModel, mask_indices
 
 
 @torch.no_grad()
@@ -23,7 +25,7 @@ def evaluate(model: UnifiedModel, files: list[ShardFile], stream_cfg: StreamConf
     counts = dict.fromkeys(MODALITIES, 0.0)
     for _ in range(batches):
         batch = {k: torch.from_numpy(v).long() for k, v in next(rows).items()}
-        _, parts = model.loss(batch, sub)
+        _, parts = model.loss(batch, sub, indices=mask_indices(batch))
         for m in MODALITIES:
             sums[m] += float(parts[f"sum_{m}"])
             counts[m] += float(parts[f"count_{m}"])

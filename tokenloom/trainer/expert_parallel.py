@@ -9,7 +9,9 @@ each row to the rank owning its expert, runs the local experts and ships the res
       ──regroup by local expert──► local Experts ──undo regroup──► all-to-all back ──► y_sorted
 
 Rank r of an expert-parallel group of P ranks owns experts [r E/P, (r+1) E/P): its stacked
-`gate_up` [E/P, D, 2H] and `down` [E/P, H, D] are slices of the full tensors. Router, expert
+`gate_up` [E/P, D, 2H] and `down` [E/P, H, D] are slices of the full tensors, and its local
+`Experts` run them as the layer's config says (`model.moe.impl`: grouped or loop), on the rows
+they receive grouped by local expert. Router, expert
 bias and every dense weight stay replicated, so the balancing update needs nothing new.
 
 DeepSpeed groups ranks as in its own MoE: expert-parallel groups of P consecutive ranks

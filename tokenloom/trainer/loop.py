@@ -4,7 +4,8 @@ DeepSpeed owns the optimizer step, ZeRO partitioning, gradient clipping and the 
 schedule (and, with `train.expert_parallel`, the expert/data process groups and MoE parameter
 groups); this file owns the data stream, the elastic sub-model of each step, the routers'
 auxiliary-loss-free bias updates (from loads summed over every rank, so biases stay equal),
-precision context, logging (per-modality losses, per-layer routing balance) and checkpoints. The
+the attention mask's intervals (computed once per micro-batch from the row's segment columns
+and handed to the model), precision context, logging (per-modality losses, per-layer routing balance) and checkpoints. The
 data stream's state is saved inside each DeepSpeed checkpoint (client state), so resuming
 a run continues with exactly the batch the interrupted run would have read next.
 """
@@ -21,11 +22,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tokenloom.datasets import IGNORE_INDEX, ShardFile, StreamConfig, TokenStream
+from tokenloom.contract import IGNORE_INDEX, MODALITIES, MODALITY_SLOTS
+from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
 from tokenloom.model import ModelConfig
 from tokenloom.model.elastic import sample_submodel
 from tokenloom.model.io import save_model
-from tokenloom.model.unified import MODALITIES, UnifiedModel, routing_metrics
+from tokenloom.model.unified import UnifiedModel, mask_indices, routing_metrics
 from tokenloom.trainer.config import TrainConfig
 from tokenloom.trainer.distributed import init_distributed, use_bf16
 from tokenloom.trainer.metrics import MetricsLog, plot_loss, plot_routing
@@ -65,8 +67,8 @@ def _to_tensors(batch: dict[str, np.ndarray], device: torch.device) -> dict[str,
 
 def active_parameters(cfg: ModelConfig, total: int) -> int:
     """Parameters one token uses: all but the routed experts it is not sent to."""
-    per_expert = 3 * cfg.dim * cfg.expert_hidden
-    return total - cfg.n_layers * (cfg.n_experts - cfg.top_k) * per_expert
+    per_expert = 3 * cfg.dim * cfg.moe.expert_hidden
+    return total - cfg.n_layers * (cfg.moe.n_experts - cfg.moe.top_k) * per_expert
 
 
 class StepStats:
@@ -76,7 +78,7 @@ class StepStats:
 
     def __init__(self, layers: int, experts: int):
         self.parts = torch.zeros(len(self.KEYS))
-        self.loads = torch.zeros(layers, 4, experts)
+        self.loads = torch.zeros(layers, MODALITY_SLOTS, experts)
 
     def add(self, parts: dict[str, torch.Tensor], loads: torch.Tensor) -> None:
         self.parts += torch.stack([parts[k].detach().float().cpu() for k in self.KEYS])
@@ -157,18 +159,19 @@ def train(
     end_step = train_cfg.stop_after or train_cfg.steps
     if start_step >= end_step:
         raise ValueError(f"checkpoint is at step {start_step}; nothing to do before step {end_step}")
-    late_loads = torch.zeros(model_cfg.n_layers, 4, model_cfg.n_experts)  # the last quarter of the run
+    late_loads = torch.zeros(model_cfg.n_layers, MODALITY_SLOTS, model_cfg.moe.n_experts)  # the last quarter of the run
     late_from = end_step - max(1, (end_step - start_step) // 4)
     window: list[StepStats] = []  # steps since the last log record
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
         sub = sample_submodel(model_cfg, step)
-        stats = StepStats(model_cfg.n_layers, model_cfg.n_experts)
+        stats = StepStats(model_cfg.n_layers, model_cfg.moe.n_experts)
         step_loss = 0.0
         for _ in range(train_cfg.grad_accum):
             batch = _to_tensors(next(batches), engine.device)
+            indices = mask_indices(batch)  # the attention mask's intervals, once per micro-batch
             with autocast:
-                loss, parts = engine.module.loss(batch, sub)
+                loss, parts = engine.module.loss(batch, sub, indices=indices)
             engine.backward(loss)
             engine.step()
             stats.add(parts, engine.module.routing_loads())

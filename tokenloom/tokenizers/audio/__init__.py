@@ -19,7 +19,6 @@ _LAZY = {
     "level_counts": "train",
     "load_audio": "train",
     "publish_bundle": "train",
-    "to_mono_16k": "train",
     "train_audio": "train",
 }
 

@@ -5,7 +5,7 @@ loop in `tokenizers/loop.py`: cosine schedule, checkpoints, exact resume, held-o
 evaluations). Losses: multi-scale log-mel distance (torchaudio), time-domain L1, the RVQ
 commitment loss and negative SI-SDR (phase: without it the waveform never lined up within a
 CPU budget); no adversarial loss (see bench/RESULTS.md). Evaluation decodes held-out clips
-from the first k levels for k = 1, 2, 4, ..., L and reports SI-SDR (torchmetrics), mel
+from the first k levels for k = 1, 2, 4, ..., L and reports SI-SDR (`tokenizers.metrics`), mel
 distance, bitrate and codebook usage per level, with a PNG of spectrograms and WAV files.
 """
 
@@ -24,22 +24,9 @@ from tokenloom.tokenizers import bundle
 from tokenloom.tokenizers.audio.config import AudioTokenizerConfig
 from tokenloom.tokenizers.audio.model import AudioTokenizer, MultiScaleMel, parameter_count
 from tokenloom.tokenizers.loop import run_training
+from tokenloom.tokenizers.metrics import si_sdr
 
 FORMAT = "tokenloom.audio/1"
-
-
-def to_mono_16k(samples: np.ndarray, sample_rate: int, target: int = 16_000) -> np.ndarray:
-    """[T] or [T, channels] float audio -> mono float32 at `target` Hz (torchaudio resampling)."""
-    import torchaudio.functional as AF
-
-    wav = torch.as_tensor(np.asarray(samples, dtype=np.float32))
-    if wav.ndim == 2:
-        wav = wav.mean(dim=1)
-    if wav.ndim != 1:
-        raise ValueError(f"audio must be [samples] or [samples, channels], got {tuple(wav.shape)}")
-    if sample_rate != target:
-        wav = AF.resample(wav, sample_rate, target)
-    return wav.numpy()
 
 
 def level_counts(levels: int) -> list[int]:
@@ -89,14 +76,11 @@ class SegmentSampler:
 
 def si_sdr_per_item(recon: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean SI-SDR (dB) over the batch items whose target has sound (silence has no SI-SDR)."""
-    from torchmetrics.functional.audio import scale_invariant_signal_distortion_ratio
-
     energy = target.pow(2).mean(dim=(1, 2))
     keep = energy > 1e-6
     if not bool(keep.any()):
         return recon.new_zeros(())
-    sdr = scale_invariant_signal_distortion_ratio(recon[keep, 0], target[keep, 0], zero_mean=True)
-    return sdr.mean()
+    return si_sdr(recon[keep, 0], target[keep, 0]).mean()
 
 
 def heldout_clips(clips: list[np.ndarray], seconds: float, sample_rate: int = 16_000) -> list[torch.Tensor]:
@@ -125,8 +109,6 @@ def evaluate(model: AudioTokenizer, clips: list[torch.Tensor], out_dir: Path | N
              wavs: int = 2, levels: int | None = None) -> AudioEvalResult:
     """Reconstruct each clip ([1, T] at 16 kHz) from the first k levels, for k in 1, 2, 4, ..., L
     (and `levels`); the spectrograms and WAVs use `levels` (all by default)."""
-    from torchmetrics.functional.audio import scale_invariant_signal_distortion_ratio
-
     if not clips:
         raise ValueError("nothing to evaluate: no audio")
     model.eval()
@@ -145,7 +127,7 @@ def evaluate(model: AudioTokenizer, clips: list[torch.Tensor], out_dir: Path | N
             histograms[level] += torch.bincount(codes[0, :, level].cpu(), minlength=model.cfg.codebook_size)
         for k in ks:
             recon = model.decode(codes, k).float()
-            sdr = scale_invariant_signal_distortion_ratio(recon[0, 0], wav[0, 0], zero_mean=True)
+            sdr = si_sdr(recon[0, 0], wav[0, 0])
             scores[k]["si_sdr"].append(float(sdr))
             scores[k]["mel"].append(float(mel(recon, wav)))
             if k == shown:
@@ -288,10 +270,10 @@ def train_audio(train_clips: list[np.ndarray], heldout: list[np.ndarray], cfg: A
     return result
 
 
-def encode_long(model: AudioTokenizer, blocks, sample_rate: int, channels_last: bool = True) -> np.ndarray:
-    """Codes [frames, L] of a long recording given as an iterator of sample blocks at
-    `sample_rate` (each [T] or [T, channels] float): blocks are downmixed, resampled and
-    encoded one at a time at whole-frame boundaries, so memory stays bounded by the block size."""
+def encode_long(model: AudioTokenizer, blocks) -> np.ndarray:
+    """Codes [frames, L] of a long recording given as an iterator of mono float32 blocks [T] at
+    the model's sample rate (`datasets.audio.read_mono` reads files so): blocks are encoded one
+    at a time at whole-frame boundaries, so memory stays bounded by the block size."""
     hop = model.cfg.hop
     pending = np.zeros(0, dtype=np.float32)
     out: list[np.ndarray] = []
@@ -302,8 +284,7 @@ def encode_long(model: AudioTokenizer, blocks, sample_rate: int, channels_last: 
         out.append(model.encode(wav)[0].cpu().numpy())
 
     for block in blocks:
-        mono = to_mono_16k(block, sample_rate, model.cfg.sample_rate)
-        pending = np.concatenate([pending, mono])
+        pending = np.concatenate([pending, np.asarray(block, dtype=np.float32)])
         whole = len(pending) // hop * hop
         if whole:
             run(pending[:whole])
@@ -315,5 +296,5 @@ def encode_long(model: AudioTokenizer, blocks, sample_rate: int, channels_last: 
     return np.concatenate(out)
 
 
-__all__ = ["AudioEvalResult", "AudioTrainResult", "evaluate", "load_audio", "publish_bundle", "to_mono_16k",
+__all__ = ["AudioEvalResult", "AudioTrainResult", "evaluate", "load_audio", "publish_bundle",
            "train_audio", "encode_long", "level_counts"]

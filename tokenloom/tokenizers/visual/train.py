@@ -3,7 +3,7 @@
 Training runs on random crops (torchvision RandomResizedCrop + flips) of the training
 photos for a wall-clock budget, with a cosine learning-rate schedule over that budget,
 periodic checkpoints (resumable: model, optimizer, RNG, step and elapsed time) and a
-held-out evaluation (PSNR, SSIM, codebook usage and perplexity, plus a PNG grid of
+held-out evaluation (PSNR, SSIM from `tokenizers.metrics`, codebook usage and perplexity, plus a PNG grid of
 originals beside reconstructions). The result is published as a content-addressed bundle
 (safetensors weights + bundle.json); loading never unpickles.
 """
@@ -117,7 +117,7 @@ class EvalResult:
 def evaluate(model: VisualTokenizer, images: list[torch.Tensor], names: list[str] | None = None,
              grid_path: Path | None = None, batch_size: int = 8) -> EvalResult:
     """Reconstruct `images` ([3, H, W] in [0, 1], sides multiples of the factor)."""
-    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+    from tokenloom.tokenizers.metrics import psnr, ssim
 
     if not images:
         raise ValueError("nothing to evaluate: no images")
@@ -137,13 +137,12 @@ def evaluate(model: VisualTokenizer, images: list[torch.Tensor], names: list[str
             recon = model.decode(codes).float()
             x, codes, recon = x.cpu(), codes.cpu(), recon.cpu()
             histogram += torch.bincount(codes.flatten(), minlength=model.num_codes)
-            psnr = peak_signal_noise_ratio(recon, x, data_range=1.0, reduction="none", dim=(1, 2, 3))
-            ssim = structural_similarity_index_measure(recon, x, data_range=1.0, reduction="none")
+            psnrs, ssims = psnr(recon, x), ssim(recon, x)
             for j, i in enumerate(chunk):
                 recons[i] = recon[j]
                 per_image[i] = {"name": names[i], "height": int(x.shape[2]), "width": int(x.shape[3]),
                                 "grid": [int(codes.shape[1]), int(codes.shape[2])],
-                                "psnr": float(psnr[j]), "ssim": float(ssim[j])}
+                                "psnr": float(psnrs[j]), "ssim": float(ssims[j])}
     probs = histogram.double() / histogram.sum()
     nonzero = probs[probs > 0]
     result = EvalResult(
@@ -170,8 +169,8 @@ def _device_of(model) -> torch.device:
 
 def save_grid(originals: list[torch.Tensor], recons: list[torch.Tensor], path: Path, max_pairs: int = 12,
               cell: int = 160) -> Path:
-    """PNG: each row an original beside its reconstruction (letterboxed to cell x cell)."""
-    from torchvision.utils import save_image
+    """PNG: each row an original beside its reconstruction (letterboxed to cell x cell, 4 px apart)."""
+    from PIL import Image
 
     tiles = []
     pairs = list(zip(originals, recons, strict=True))
@@ -187,7 +186,12 @@ def save_grid(originals: list[torch.Tensor], recons: list[torch.Tensor], path: P
             tile[:, top:top + small.shape[1], left:left + small.shape[2]] = small
             tiles.append(tile)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_image(torch.stack(tiles), str(path), nrow=2, padding=4, pad_value=1.0)
+    pad, rows = 4, (len(tiles) + 1) // 2
+    sheet = torch.ones(3, pad + rows * (cell + pad), pad + 2 * (cell + pad))
+    for k, tile in enumerate(tiles):
+        top, left = pad + (k // 2) * (cell + pad), pad + (k % 2) * (cell + pad)
+        sheet[:, top:top + cell, left:left + cell] = tile
+    Image.fromarray(to_pixels(sheet)).save(path, format="PNG")
     return path
 
 

@@ -1,4 +1,4 @@
-"""Offline speech and sound: eSpeak NG (shipped by the `espeakng-loader` wheel) called through
+"""Sample audio: offline speech and sound: eSpeak NG (shipped by the `espeakng-loader` wheel) called through
 ctypes, plus synthetic tones, chords and noise. No download. eSpeak NG varies each utterance
 slightly (timing by a few milliseconds, seen from run to run even with its random seed fixed),
 so speech is the same sentences and voices on every run, not the same bytes.
@@ -67,7 +67,7 @@ def synthesize(text: str, voice: str = "en", words_per_minute: int = 165, pitch:
 
 def sentences(limit: int, skip: int = 0) -> list[str]:
     """Plain English first sentences of stdlib docstrings (30-140 characters, letters only)."""
-    from tokenloom.datasets.samples import iter_stdlib_docstrings
+    from tokenloom.samples.text import iter_stdlib_docstrings
 
     out, seen = [], set()
     for _, doc in iter_stdlib_docstrings():

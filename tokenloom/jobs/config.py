@@ -4,6 +4,10 @@ Every component owns a small dataclass; this file only nests them, so a TOML fil
 table per component (`[train]`, `[model]`, `[ingest.pools.text]`, ...) and the command line
 takes dotted overrides (`train.steps=50 model.dim=128`). Unknown keys and ill-typed values
 fail with a message that names the key and what it accepts.
+
+Recipes are TOML files in the repository's `configs/` folder (`demo`, `tiny`, `gpu`); a
+`--config` that names no file but a recipe (`--config tiny`) reads `configs/<name>.toml`.
+The dataclass defaults are the embedded setup; a recipe only sets what differs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,20 @@ from tokenloom.tokenizers.text import TextTokenizerConfig
 from tokenloom.tokenizers.visual.config import VisualTokenizerConfig
 from tokenloom.trainer import TrainConfig
 
+RECIPES = Path(__file__).resolve().parents[2] / "configs"  # the repository's recipe folder
+
+
+@dataclass
+class DemoConfig:
+    """How much sample data `tokenloom demo` writes and trains its media tokenizers on."""
+
+    dataset: str = "stdlib-docs"
+    corpus_bytes: int = 2_000_000  # stdlib docstrings
+    image_variants: int = 2  # crops per sample photo
+    utterances: int = 24  # speech files with transcripts
+    speech_train_clips: int = 96  # utterances the demo's audio tokenizer trains on
+    speech_heldout_clips: int = 6
+
 
 @dataclass
 class RunConfig:
@@ -34,6 +52,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
 
 
 def _coerce(value, hint, key: str):
@@ -105,11 +124,30 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
-def load_run_config(path: Path | None = None, overrides: list[str] | None = None,
+def apply_overrides(section, overrides: list[str], prefix: str = "") -> None:
+    """Set `key=value` overrides on one config dataclass (keys relative to it; `prefix` names it in errors)."""
+    _apply(section, _nest(parse_overrides(overrides)), prefix)
+
+
+def recipe_path(name_or_path: str | Path) -> Path:
+    """A config file path, or the recipe `configs/<name>.toml` for a bare name such as `tiny`."""
+    path = Path(name_or_path)
+    if path.is_file() or path.suffix or len(path.parts) > 1:
+        return path
+    recipe = RECIPES / f"{name_or_path}.toml"
+    if not recipe.is_file():
+        known = sorted(p.stem for p in RECIPES.glob("*.toml")) if RECIPES.is_dir() else []
+        raise FileNotFoundError(f"config {name_or_path!r} is neither a file nor a recipe in {RECIPES} "
+                                f"(recipes: {', '.join(known) or 'none'})")
+    return recipe
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None,
                     base: RunConfig | None = None) -> RunConfig:
+    """The defaults, then the TOML file (or recipe name) `path`, then dotted `overrides`."""
     cfg = base or RunConfig()
     if path is not None:
-        path = Path(path)
+        path = recipe_path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
         try:

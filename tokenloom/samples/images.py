@@ -1,144 +1,22 @@
-"""The sample text corpus: docstrings of Python's standard library, gathered offline.
+"""Sample images: the photographs scikit-image ships in its wheel, with hand-written captions,
+plus odd but valid files and broken ones, for the demo, the tests and the benchmarks.
 
-Every machine with Python has it, it is real English prose mixed with code, and no download
-is needed. Modules are parsed with `ast` (never imported), read in sorted order, so the
-corpus is the same on every run of the same Python. Output: `.jsonl` files of docstrings and
-`.txt` files of whole module docstrings, plus, when asked, a folder of deliberately bad inputs
-so a demo shows the quarantine at work.
-
-The sample photos are the pictures scikit-image ships in its wheel, with hand-written
-captions: also offline and identical everywhere. scikit-image, Pillow and numpy are imported
-inside the functions that need them, so importing this module stays cheap.
+Offline and identical on every machine: scikit-image's data folder is read, never fetched.
+Photos are decoded here with Pillow (alpha composited on white, grayscale expanded to RGB),
+which gives the same arrays as the ingestion job's decoder for every bundled photo (checked
+in the tests), without this package depending on `datasets`. scikit-image, Pillow and numpy
+are imported inside the functions that need them, so importing this module stays cheap.
 """
 
 from __future__ import annotations
 
-import ast
 import json
-import sysconfig
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import numpy as np
     from PIL import Image
-
-
-def iter_stdlib_docstrings(stdlib: Path | None = None) -> Iterator[tuple[str, str]]:
-    """Yield (qualified name, docstring) for modules, classes and functions, in a fixed order."""
-    root = Path(stdlib or sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in {"test", "tests", "idle_test", "site-packages", "lib2to3"} for part in rel.parts):
-            continue
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        module = ".".join(rel.with_suffix("").parts)
-        for node in [tree, *ast.walk(tree)]:
-            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-                continue
-            if node is not tree and isinstance(node, ast.Module):
-                continue
-            doc = ast.get_docstring(node)
-            if doc and len(doc) >= 40:
-                name = module if isinstance(node, ast.Module) else f"{module}.{node.name}"
-                yield name, doc
-
-
-def write_sample_corpus(out_dir: Path, max_bytes: int = 3_000_000, with_bad_inputs: bool = True) -> Path:
-    """Write the corpus under `out_dir` (idempotent) and return the folder to ingest."""
-    out_dir = Path(out_dir)
-    done = out_dir / ".complete.json"
-    if done.exists() and json.loads(done.read_text()).get("max_bytes") == max_bytes:
-        return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written, shard, lines = 0, 0, []
-    module_docs: list[tuple[str, str]] = []
-
-    def flush() -> None:
-        nonlocal shard, lines
-        if lines:
-            (out_dir / f"stdlib-docstrings-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
-            shard, lines = shard + 1, []
-
-    for name, doc in iter_stdlib_docstrings():
-        if written >= max_bytes:
-            break
-        if "." not in name and len(module_docs) < 40 and len(doc) > 400:
-            module_docs.append((name, doc))
-            written += len(doc)
-            continue
-        lines.append(json.dumps({"text": doc, "name": name}, ensure_ascii=False))
-        written += len(doc)
-        if len(lines) == 2000:
-            flush()
-    flush()
-    for name, doc in module_docs:
-        (out_dir / f"module-{name}.txt").write_text(doc + "\n")
-    if with_bad_inputs:
-        write_bad_inputs(out_dir / "bad")
-    done.write_text(json.dumps({"max_bytes": max_bytes, "bytes": written}))
-    return out_dir
-
-
-def write_bad_inputs(bad_dir: Path) -> dict[str, int]:
-    """Inputs every job must survive; returns how many quarantine records each should give."""
-    bad_dir.mkdir(parents=True, exist_ok=True)
-    (bad_dir / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))  # invalid UTF-8
-    (bad_dir / "empty.txt").write_text("   \n\n")
-    (bad_dir / "image-in-disguise.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
-    (bad_dir / "mixed.jsonl").write_bytes(
-        b'{"text": "A good line survives its bad neighbours."}\n'
-        b'{"text": "unterminated\n'
-        b'{"title": "no text field"}\n'
-        b'{"text": ""}\n'
-        b'[1, 2, 3]\n'
-        b'{"text": "\xff\xfe broken bytes"}\n'
-        b'{"text": "Another good line, counted once."}\n'
-    )
-    return {"latin1.txt": 1, "empty.txt": 1, "image-in-disguise.txt": 1, "mixed.jsonl": 5}
-
-
-def write_source_corpus(out_dir: Path, max_bytes: int = 20_000_000, per_file: int = 2_000_000) -> Path:
-    """A larger real-text corpus for benchmarks: standard-library source files, one record each.
-
-    The standard library holds about 11 MB of source; past that the files are taken again in
-    further passes (records named `pass-N/...`), so a benchmark can size its corpus freely.
-    """
-    out_dir = Path(out_dir)
-    done = out_dir / ".complete.json"
-    if done.exists() and json.loads(done.read_text()).get("max_bytes") == max_bytes:
-        return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in sorted(root.rglob("*.py")) if "site-packages" not in p.parts]
-    written, shard, size, lines, pass_no = 0, 0, 0, [], 0
-    while written < max_bytes:
-        for path in files:
-            if written >= max_bytes:
-                break
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            name = f"pass-{pass_no}/{path.relative_to(root)}"
-            lines.append(json.dumps({"text": text, "name": name}, ensure_ascii=False))
-            written += len(text)
-            size += len(text)
-            if size >= per_file:
-                (out_dir / f"stdlib-src-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
-                shard, size, lines = shard + 1, 0, []
-        pass_no += 1
-    if lines:
-        (out_dir / f"stdlib-src-{shard:03d}.jsonl").write_text("\n".join(lines) + "\n")
-    done.write_text(json.dumps({"max_bytes": max_bytes, "bytes": written}))
-    return out_dir
 
 
 # Sample photos: the pictures scikit-image ships inside its wheel (no download, same on every
@@ -213,12 +91,10 @@ _PHOTO_MAX_SIDE, _PHOTO_MIN_SIDE, _VARIANT_MIN_SIDE = 320, 128, 96
 def sample_photos(split: str = "train") -> dict[str, np.ndarray]:
     """The sample photos of a split ("train", "heldout" or "all") as (H, W, 3) uint8 RGB arrays.
 
-    Read from scikit-image's installed data folder (never fetched), decoded with the job's own
-    `decode_image` at full size: grayscale is expanded to three channels, alpha composited on white.
+    Read from scikit-image's installed data folder (never fetched) at full size: grayscale is
+    expanded to three channels, alpha composited on white.
     """
     from importlib.resources import files
-
-    from tokenloom.datasets.images import decode_image
 
     if split not in PHOTO_SPLITS:
         raise ValueError(f"unknown photo split {split!r}; known: {PHOTO_SPLITS}")
@@ -230,13 +106,26 @@ def sample_photos(split: str = "train") -> dict[str, np.ndarray]:
     for name, (filename, _) in PHOTOS.items():
         if (split == "train" and name in HELD_OUT) or (split == "heldout" and name not in HELD_OUT):
             continue
-        image, reason = decode_image((folder / filename).read_bytes(), max_decoded_pixels=100_000_000)
-        if image is None:
-            raise RuntimeError(
-                f"scikit-image's bundled {filename} did not decode ({reason}); reinstall scikit-image"
-            )
-        photos[name] = image.pixels
+        try:
+            photos[name] = _rgb_pixels((folder / filename).read_bytes())
+        except OSError as exc:
+            raise RuntimeError(f"scikit-image's bundled {filename} did not decode ({exc}); reinstall scikit-image") from None
     return photos
+
+
+def _rgb_pixels(data: bytes) -> np.ndarray:
+    """Encoded image bytes -> (H, W, 3) uint8 RGB, alpha composited on white."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+    return np.asarray(image.convert("RGB"))
 
 
 def write_sample_images(out_dir: Path, with_bad_inputs: bool = True, variants: int = 2) -> Path:

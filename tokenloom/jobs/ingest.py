@@ -1,0 +1,34 @@
+"""The ingestion job: resolve the tokenizer bundles the inputs need, pin their vocabulary, and
+run the Ray Data ingestion (`platform.ingest`) into one catalog snapshot.
+
+Which bundles are needed follows from the inputs: text always; visual when they hold images;
+audio when they hold audio. Each is given by id, path or `latest` (the default), and hashed
+again before any worker loads it, so a damaged bundle stops the job with its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenloom.datasets import sources
+from tokenloom.jobs.home import Home, code_version, open_catalog
+from tokenloom.tokenizers.vocab import manifest_from_bundles
+
+MEDIA_BUNDLE = {"image": "visual", "audio": "audio"}  # modality of the inputs -> tokenizer kind it needs
+
+
+def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg, bundle_refs: dict[str, str | None] | None = None):
+    """Tokenize `inputs` into `dataset`; `bundle_refs` maps kind ("text", "visual", "audio") to an
+    id, a path or "latest" (missing or None: latest)."""
+    from tokenloom.platform.ingest import run_ingest  # Ray is imported only by jobs that use it
+
+    refs = bundle_refs or {}
+    catalog = open_catalog(home, cfg)
+    files, _ = sources.discover(inputs)
+    kinds = ["text"] + sorted({MEDIA_BUNDLE[f.modality] for f in files if f.modality in MEDIA_BUNDLE})
+    infos = {kind: home.bundle(refs.get(kind), kind) for kind in kinds}
+    vocab = manifest_from_bundles(infos)
+    vocab.save(home.vocab)
+    return run_ingest(inputs, dataset, catalog, vocab, {k: str(i.path) for k, i in infos.items()}, cfg.ingest,
+                      lineage={"code_version": code_version()})

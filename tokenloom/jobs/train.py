@@ -1,0 +1,169 @@
+"""Model jobs: train the unified model on a catalog snapshot, evaluate a model on one, export a
+smaller elastic sub-model.
+
+The dataset's snapshot fixes the data files and its vocabulary manifest fixes the token space
+(`trainer.fit`); the trainer does the rest. A run folder records which snapshot and manifest it
+trained on (`source.json`), so a checkpoint can be matched to its data later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from tokenloom.datasets import shard_files
+from tokenloom.jobs.home import Home, model_folder, open_catalog
+
+log = logging.getLogger("tokenloom")
+
+
+def _snapshot(home: Home, cfg, dataset: str, at: str | None, purpose: str):
+    catalog = open_catalog(home, cfg)
+    summary = catalog.summary(dataset, at)
+    if summary["snapshot_id"] is None:
+        raise ValueError(f"dataset {dataset!r} has no committed snapshot to {purpose}")
+    return catalog, summary, home.manifest(summary["vocab_id"])
+
+
+def train(home: Home, dataset: str, cfg, at: str | None = None, progress: bool = True, run_name: str | None = None,
+          resume_from: Path | None = None):
+    """Train on a snapshot: (snapshot id, trainer.TrainResult)."""
+    from tokenloom.trainer import train as run_training
+    from tokenloom.trainer.fit import fit_to_vocabulary
+
+    catalog, summary, vocab = _snapshot(home, cfg, dataset, at, "train on")
+    fit_to_vocabulary(cfg.model, cfg.stream, vocab.size, [(r.start, r.stop) for r in vocab.audio])
+    if not cfg.train.warmup_steps:
+        log.info("train.warmup_steps is not set: warming up over %d of %d steps (10%% of the run)",
+                 cfg.train.warmup, cfg.train.steps)
+    files = shard_files(catalog, dataset, summary["snapshot_id"])
+    result = run_training(files, cfg.model, cfg.stream, cfg.train, home.new_dir(dataset, run_name),
+                          resume_from=resume_from, progress=progress)
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank trains in rank 0's run folder (the loop broadcasts it)
+        from tokenloom.model.io import annotate_model
+
+        (Path(result.run_dir) / "source.json").write_text(json.dumps(
+            {"dataset": dataset, "snapshot_id": summary["snapshot_id"], "vocab_id": vocab.id}, indent=2))
+        if result.model_dir:  # the token space travels with the model: generation reads it from here
+            annotate_model(result.model_dir, **generation_facts(vocab, cfg.stream))
+    return summary["snapshot_id"], result
+
+
+def generation_facts(vocab, stream_cfg) -> dict:
+    """What a model folder needs to generate: its manifest and the stream layout it learned."""
+    return {"vocab": vocab.to_dict(), "stream": {"audio_window": stream_cfg.audio_window,
+                                                 "seq_len": stream_cfg.seq_len}}
+
+
+def _submodel(cfg, layers: tuple[int, ...] | None, experts: tuple[int, ...] | None, top_k: int | None):
+    from tokenloom.model.elastic import SubModel
+
+    sub = SubModel(layers, experts, top_k)
+    sub.check(cfg)
+    return sub
+
+
+def evaluate(home: Home, cfg, source: Path, dataset: str, at: str | None = None, batches: int = 8,
+             layers: tuple[int, ...] | None = None, experts: tuple[int, ...] | None = None,
+             top_k: int | None = None) -> dict:
+    """Validation loss per modality of a model folder (optionally an elastic sub-model) on a snapshot."""
+    from tokenloom.model.io import load_model
+    from tokenloom.trainer.evaluate import evaluate as run_eval
+    from tokenloom.trainer.fit import check_model_fits, fit_stream
+
+    folder = model_folder(source)
+    model, _ = load_model(folder)
+    catalog, summary, vocab = _snapshot(home, cfg, dataset, at, "evaluate on")
+    check_model_fits(model.cfg, vocab.size, [(r.start, r.stop) for r in vocab.audio],
+                     f"dataset {dataset!r}'s manifest {vocab.id}")
+    fit_stream(cfg.stream, len(vocab.audio))
+    sub = _submodel(model.cfg, layers, experts, top_k)
+    files = shard_files(catalog, dataset, summary["snapshot_id"])
+    result = run_eval(model, files, cfg.stream, batches=batches, micro_batch_size=cfg.train.micro_batch_size, sub=sub)
+    return {"model": str(folder), "dataset": dataset, "snapshot_id": summary["snapshot_id"],
+            "submodel": sub.describe(), **result}
+
+
+def export(source: Path, out: Path, layers: tuple[int, ...] | None = None, experts: tuple[int, ...] | None = None,
+           top_k: int | None = None, tier: str | None = None) -> dict:
+    """Write a smaller standalone model: a subset of layers, of experts, and a smaller top-k, or
+    a deployment tier's documented cut (`model.elastic.TIERS`)."""
+    from tokenloom.model.elastic import export_submodel, tier_submodel
+    from tokenloom.model.io import load_model, save_model
+
+    folder = model_folder(source)
+    model, doc = load_model(folder)
+    if tier is not None:
+        if (layers, experts, top_k) != (None, None, None):
+            raise ValueError("--tier sets the layers, experts and top-k itself; give it alone")
+        sub = tier_submodel(model.cfg, tier)
+    else:
+        sub = _submodel(model.cfg, layers, experts, top_k)
+    small = export_submodel(model, sub)
+    carried = {k: doc[k] for k in ("vocab", "stream") if k in doc}  # the token space goes with the export
+    if "vocab" not in carried and (folder.parent / "source.json").is_file():
+        carried["source"] = json.loads((folder.parent / "source.json").read_text())
+    save_model(small.state_dict(), small.cfg, out, {"exported_from": str(Path(source).resolve()), **sub.describe(),
+                                                    "experts_kept": list(sub.experts) if sub.experts else None,
+                                                    **carried})
+    return {"out": str(out), "tier": tier, "parameters": sum(p.numel() for p in small.parameters()),
+            "source_parameters": sum(p.numel() for p in model.parameters()), "n_layers": small.cfg.n_layers,
+            "n_experts": small.cfg.moe.n_experts, "top_k": small.cfg.moe.top_k}
+
+
+def leave_process_group() -> int:
+    """End this rank's part in a multi-process run; returns its rank (only rank 0 reports)."""
+    from tokenloom.trainer.distributed import shutdown_distributed
+
+    return shutdown_distributed()
+
+
+def evaluate_tiers(home: Home, cfg, source: Path, dataset: str, at: str | None = None, batches: int = 8,
+                   new_tokens: int = 64) -> dict:
+    """For each deployment tier: parameters (total and active per token), validation loss per
+    modality, greedy text generation speed with the KV cache, and memory (weights plus the KV
+    cache's tensors; on a GPU the allocator's peak)."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from tokenloom.jobs.generate import Generator
+    from tokenloom.model.elastic import TIERS, export_submodel, tier_submodel
+    from tokenloom.model.generate import Cursor, Request, SamplingConfig
+    from tokenloom.model.generate import generate as decode
+    from tokenloom.tokenizers.sequence import TextPart
+    from tokenloom.trainer.evaluate import evaluate as run_eval
+    from tokenloom.trainer.fit import check_model_fits, fit_stream
+    from tokenloom.trainer.loop import active_parameters
+
+    gen = Generator.load(home, source)
+    catalog, summary, vocab = _snapshot(home, cfg, dataset, at, "evaluate on")
+    check_model_fits(gen.model.cfg, vocab.size, [(r.start, r.stop) for r in vocab.audio],
+                     f"dataset {dataset!r}'s manifest {vocab.id}")
+    fit_stream(cfg.stream, len(vocab.audio))
+    files = shard_files(catalog, dataset, summary["snapshot_id"])
+    prompt = gen.prompt_chunk([TextPart(np.arange(min(8, vocab.text.size)))])
+    rows = []
+    for tier in TIERS:
+        sub = tier_submodel(gen.model.cfg, tier)
+        small = export_submodel(gen.model, sub).eval()
+        total = sum(p.numel() for p in small.parameters())
+        losses = run_eval(small, files, cfg.stream, batches=batches, micro_batch_size=cfg.train.micro_batch_size)
+        decode(small, gen.space, prompt, Cursor.after(prompt), Request("text", max_new_tokens=4),
+               SamplingConfig(temperature=0))  # warm-up
+        started = time.perf_counter()
+        made = decode(small, gen.space, prompt, Cursor.after(prompt), Request("text", max_new_tokens=new_tokens),
+                      SamplingConfig(temperature=0))
+        seconds = time.perf_counter() - started
+        weights = sum(t.numel() * t.element_size() for t in small.state_dict().values())
+        kv = 2 * small.cfg.n_layers * (len(prompt) + new_tokens + 2) * small.cfg.dim * 4
+        rows.append({"tier": tier, **sub.describe(), "n_layers": small.cfg.n_layers,
+                     "n_experts": small.cfg.moe.n_experts, "top_k": small.cfg.moe.top_k, "parameters": total,
+                     "active_parameters": active_parameters(small.cfg, total), **losses,
+                     "generated": made.positions, "tokens_per_second": made.positions / max(seconds, 1e-9),
+                     "memory_bytes": weights + kv,
+                     "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None})
+    return {"model": str(gen.folder), "dataset": dataset, "snapshot_id": summary["snapshot_id"], "tiers": rows}
