@@ -49,3 +49,58 @@ def test_discover_routes_by_suffix_and_rejects_missing_paths(tmp_path):
         assert "does not exist" in str(exc)
     else:
         raise AssertionError("missing path accepted")
+
+
+def _parse_all(files):
+    """Every record of a job's pooled sources, by file name."""
+    return {Path(f.path).name: list(sources.parse_file(f.path, f.modality, Path(f.path).read_bytes()))
+            for f in files if f.modality not in sources.UNPOOLED}
+
+
+def test_deeply_nested_json_is_quarantined_not_fatal(tmp_path):
+    deep, shallow_deep = "[" * 100_000 + "]" * 100_000, "[" * 20_000 + "]" * 20_000  # the second fits the sniff
+    (tmp_path / "text.jsonl").write_text(f'{deep}\n{{"text": "hello world"}}\n')
+    (tmp_path / "head.jsonl").write_text(f'{shallow_deep}\n{{"text": "still read"}}\n')
+    from PIL import Image
+
+    Image.new("RGB", (16, 16), (200, 30, 90)).save(tmp_path / "flower.jpg")
+    (tmp_path / "pairs.jsonl").write_text(f'{{"image": "flower.jpg", "text": "ok"}}\n{shallow_deep}\n{deep}\n')
+    files, skipped = sources.discover([tmp_path])  # routing and pair references read these records too
+    assert not skipped
+    by_name = _parse_all(files)
+    assert set(by_name) == {"text.jsonl", "head.jsonl", "pairs.jsonl"}
+    expected = {"text.jsonl": ("hello world", ["line 1"]), "head.jsonl": ("still read", ["line 1"]),
+                "pairs.jsonl": ("ok", ["line 2", "line 3"])}
+    for name, (good, deep_lines) in expected.items():
+        assert [r.payload for r in by_name[name] if r.error is None] == [good], name
+        errors = [(r.record, r.error) for r in by_name[name] if r.error]
+        assert errors == [(line, "JSON nested too deeply") for line in deep_lines], name
+
+
+def test_a_bad_first_record_does_not_turn_a_pairs_file_into_text(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (16, 16), (200, 30, 90)).save(tmp_path / "flower.jpg")
+    (tmp_path / "pairs.jsonl").write_text("\n".join([
+        '{"image": "/etc/passwd", "text": "abs"}',
+        '{"image": "../../../../etc/hostname", "text": "x"}',
+        '{"image": "flower.jpg", "text": "ok"}',
+        '{"audio": "/dev/zero", "text": "y"}',
+    ]) + "\n")
+    # a text corpus whose records carry image metadata that names no file beside it stays text
+    (tmp_path / "web.jsonl").write_text('{"text": "A web page.", "image": "https://x.org/a.png"}\n')
+    files, _ = sources.discover([tmp_path])
+    kinds = {Path(f.path).name: f.modality for f in files}
+    assert kinds == {"pairs.jsonl": "image", "flower.jpg": sources.REFERENCED, "web.jsonl": "text"}
+    by_name = _parse_all(files)
+    pairs = by_name["pairs.jsonl"]
+    assert [r.record for r in pairs] == ["line 1", "line 2", "line 3", "line 4"]  # every record accounted for
+    assert pairs[0].error == "image path must be relative to the pairs file's folder: /etc/passwd"
+    assert pairs[1].error == "image path leaves the pairs file's folder: ../../../../etc/hostname"
+    assert pairs[3].error is not None and "one kind of media" in pairs[3].error
+    flower = pairs[2]
+    assert (flower.modality, flower.payload, flower.error) == ("image", "ok", None)
+    assert flower.blob == (tmp_path / "flower.jpg").read_bytes()
+    # the flower is one sample, with its caption; no caption became a text sample of its own
+    samples = [r for recs in by_name.values() for r in recs if r.error is None]
+    assert [(r.modality, r.payload) for r in samples] == [("image", "ok"), ("text", "A web page.")]

@@ -401,6 +401,9 @@ def ingest(
     console.print(f"[bold]{r.dataset}[/]: {verb} snapshot {r.snapshot_id} (job {r.job_id})")
     console.print(f"  samples {r.samples:,}  tokens {r.tokens:,}  quarantined {r.quarantined}"
                   + (f" {r.quarantine_reasons}" if r.quarantined else ""))
+    if r.sources:
+        console.print("  input files: " + ", ".join(f"{v} {k}" for k, v in r.sources.items())
+                      + (" (only new files are tokenized)" if r.sources.get("unchanged") else ""))
     for path, why in r.skipped_files:
         console.print(f"  skipped {path}: {why}")
 
@@ -435,6 +438,9 @@ def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help=
                 "quarantined", "quarantine_reasons", "data_files",
                 "vocab_id", "bundle_ids", "sources_hash", "code_version"):
         t.add_row(key, str(s.get(key)))
+    if len(s.get("vocab_history", [])) > 1:  # the manifest grew by appended ranges
+        t.add_row("vocab_history", ", ".join(f"{v['vocab_id']} (from snapshot {v['snapshot_id']})"
+                                             for v in s["vocab_history"]))
     if s.get("timestamp_ms"):
         t.add_row("committed", _when(s["timestamp_ms"]))
     console.print(t)

@@ -282,6 +282,7 @@ class TokenCatalog:
             "quarantine_files": json.loads(tl.get("quarantine_files", "[]")),
             "data_files": int(snap.properties.get("total-data-files", 0)),
             "vocab_id": tl.get("vocab_id"),
+            "vocab_history": _vocab_history(chain),
             "bundle_ids": json.loads(tl.get("bundle_ids", "[]")),
             "sources_hash": tl.get("sources_hash"),
             "code_version": tl.get("code_version"),
@@ -292,3 +293,14 @@ class TokenCatalog:
             "tags": sorted(t for t, sid in self.tags(name).items() if sid == snap.snapshot_id),
         }
         return out
+
+
+def _vocab_history(chain: list[SnapshotInfo]) -> list[dict]:
+    """The manifests a snapshot's jobs wrote with, oldest first: each vocabulary id with the
+    first snapshot that used it (a dataset's manifest changes only by appended ranges)."""
+    out: list[dict] = []
+    for snap in chain:
+        vocab_id = snap.tokenloom.get("vocab_id")
+        if vocab_id and (not out or out[-1]["vocab_id"] != vocab_id):
+            out.append({"vocab_id": vocab_id, "snapshot_id": snap.snapshot_id})
+    return out

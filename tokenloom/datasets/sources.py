@@ -26,6 +26,7 @@ CAPTION = "caption"  # a caption sidecar: part of its image's sample, read by th
 REFERENCED = "referenced"  # an image named by a pairs .jsonl: read through that file, never on its own
 UNPOOLED = (CAPTION, REFERENCED)  # sources that count for lineage (the job id) but feed no pool
 MAX_IMAGE_BYTES = 256 * 1024 * 1024  # a pairs record naming a bigger file is quarantined unread
+SNIFF_BYTES = 64 * 1024  # what discovery reads of a .jsonl to tell a pairs file from a text corpus
 
 _MAGIC = {  # files that are not what their extension says
     b"\x89PNG": "PNG image",
@@ -90,7 +91,7 @@ def discover(paths: Iterable[str | os.PathLike]) -> tuple[list[SourceFile], list
     # file names (those are then part of that file's samples, not samples of their own)
     for src in [s for s in found.values() if s.modality in MEDIA_KEYS]:
         if src.path.lower().endswith(".jsonl"):
-            for target in pair_references(Path(src.path)):
+            for target in pair_references(Path(src.path), src.modality):
                 _add(found, target, REFERENCED, replace=True)
         else:
             sidecar = images.caption_sidecar(Path(src.path))
@@ -141,47 +142,70 @@ def resolve_reference(folder: Path, name: object, kind: str = "image") -> tuple[
     return target, None
 
 
-def _first_record(path: Path) -> object:
+def _load_record(line: bytes | str) -> tuple[object, str | None]:
+    """One JSON record, or why it is none. JSON nested deeper than the interpreter's recursion
+    limit raises RecursionError in `json`: that is a bad record like any other, not the end of
+    the job."""
+    try:
+        return json.loads(line), None
+    except json.JSONDecodeError as exc:
+        return None, f"malformed JSON: {exc.msg} at column {exc.colno}"
+    except UnicodeDecodeError as exc:  # discovery passes raw bytes; the parsers decode first
+        return None, f"invalid UTF-8 at byte {exc.start}"
+    except RecursionError:
+        return None, "JSON nested too deeply"
+
+
+def _sniffed_records(path: Path) -> list[object]:
+    """The records in the first SNIFF_BYTES of a .jsonl (a line the budget cuts off, and lines
+    that are not JSON, are left out): discovery routes a file by these, without reading a whole
+    corpus twice."""
     try:
         with path.open("rb") as f:
-            head = f.read(65536)
+            head = f.read(SNIFF_BYTES + 1)
     except OSError:
-        return None
-    for line in head.split(b"\n"):
-        if line.strip():
-            try:
-                return json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return None
-    return None
+        return []
+    lines = head[:SNIFF_BYTES].split(b"\n")
+    if len(head) > SNIFF_BYTES:
+        lines.pop()  # may be cut off by the budget
+    return [obj for obj, problem in (_load_record(line) for line in lines if line.strip()) if problem is None]
 
 
 def _pairs_kind(path: Path) -> str | None:
-    """"image" or "audio" when the first record of a .jsonl names an existing media file beside
-    it (reads 64 KiB at most): a pairs file for that pool. A text corpus whose records carry
-    other `image`/`audio` metadata (URLs, ids) stays text."""
-    first = _first_record(path)
-    if isinstance(first, dict):
-        for key in MEDIA_KEYS:
-            if key in first and resolve_reference(path.parent, first[key], key)[0] is not None:
-                return key
-    return None
-
-
-def pair_references(path: Path) -> list[Path]:
-    """The image files a pairs .jsonl names (valid references only; bad ones are quarantined
-    by the parser, record by record)."""
-    out = []
-    for raw in path.read_bytes().split(b"\n"):
-        try:
-            obj = json.loads(raw) if raw.strip() else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
+    """"image" or "audio" when a .jsonl is a pairs file for that pool: some record within the
+    sniff budget (SNIFF_BYTES, not the whole file) names an existing media file beside it. Any
+    such record counts, not only the first, so bad references at its head cannot turn a pairs
+    file into a text corpus; the parser quarantines them record by record. The kind is the media
+    key most of its records name (ties: image); records naming the other kind are quarantined.
+    A text corpus whose records carry `image`/`audio` metadata (URLs, ids) that names no file
+    beside it stays text."""
+    named = dict.fromkeys(MEDIA_KEYS, 0)
+    references_a_file = False
+    for record in _sniffed_records(path):
+        if not isinstance(record, dict):
             continue
         for key in MEDIA_KEYS:
-            if isinstance(obj, dict) and key in obj:
-                target, _ = resolve_reference(path.parent, obj[key], key)
-                if target is not None:
-                    out.append(target)
+            if key in record:
+                named[key] += 1
+                references_a_file = (references_a_file
+                                     or resolve_reference(path.parent, record[key], key)[0] is not None)
+    if not references_a_file:
+        return None
+    return max(MEDIA_KEYS, key=named.__getitem__)  # max keeps the first of equals: image wins ties
+
+
+def pair_references(path: Path, kind: str) -> list[Path]:
+    """The `kind` ("image" or "audio") files a pairs .jsonl of that kind names: exactly those its
+    parser reads, so each is ingested once, through its record. Bad references, and records
+    naming the other kind, are quarantined by the parser, record by record; the files they name
+    stay samples of their own."""
+    out = []
+    for raw in path.read_bytes().split(b"\n"):
+        obj, _ = _load_record(raw) if raw.strip() else (None, None)
+        if isinstance(obj, dict) and kind in obj and not any(k in obj for k in MEDIA_KEYS if k != kind):
+            target, _ = resolve_reference(path.parent, obj[kind], kind)
+            if target is not None:
+                out.append(target)
     return out
 
 
@@ -234,10 +258,9 @@ def _parse_jsonl(path: str, data: bytes) -> Iterator[Record]:
         if problem:
             yield Record(sid, path, where, "text", None, problem)
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield Record(sid, path, where, "text", None, f"malformed JSON: {exc.msg} at column {exc.colno}")
+        obj, problem = _load_record(line)
+        if problem:
+            yield Record(sid, path, where, "text", None, problem)
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             yield Record(sid, path, where, "text", None, "record has no string field 'text'")
@@ -285,14 +308,11 @@ def _parse_pairs(path: str, data: bytes, kind: str) -> Iterator[Record]:
         line, problem = _decode(raw_line)
         obj = None
         if problem is None:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                problem = f"malformed JSON: {exc.msg} at column {exc.colno}"
+            obj, problem = _load_record(line)
         if problem is None and not isinstance(obj, dict):
             problem = "record is not a JSON object"
         if problem is None and any(k in obj for k in MEDIA_KEYS if k != kind):
-            problem = f"a pairs file holds one kind of media: this one's first record names an {kind}"
+            problem = f"a pairs file holds one kind of media, and this one's is {kind}"
         if problem:
             yield Record(sid, path, where, kind, None, problem)
             continue

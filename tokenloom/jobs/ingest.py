@@ -1,6 +1,10 @@
 """The ingestion job: resolve the tokenizer bundles the inputs need, pin their vocabulary, and
 run the Ray Data ingestion (`platform.ingest`) into one catalog snapshot.
 
+One vocabulary per dataset: the first job pins the manifest; later jobs reuse it or append
+ranges for new modalities (`tokenizers.vocab.VocabManifest.extend`), so no two modalities of a
+dataset ever share an id and no id changes its meaning between jobs.
+
 Which bundles are needed follows from the inputs: text always; visual when they hold images;
 audio when they hold audio. Each is given by id, path or `latest` (the default), and hashed
 again before any worker loads it, so a damaged bundle stops the job with its name.
@@ -13,7 +17,7 @@ from pathlib import Path
 
 from tokenloom.datasets import sources
 from tokenloom.jobs.home import Home, code_version, open_catalog
-from tokenloom.tokenizers.vocab import manifest_from_bundles
+from tokenloom.tokenizers.vocab import VocabManifest, manifest_from_bundles
 
 MEDIA_BUNDLE = {"image": "visual", "audio": "audio"}  # modality of the inputs -> tokenizer kind it needs
 
@@ -26,9 +30,21 @@ def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg, bundle_r
     refs = bundle_refs or {}
     catalog = open_catalog(home, cfg)
     files, _ = sources.discover(inputs)
-    kinds = ["text"] + sorted({MEDIA_BUNDLE[f.modality] for f in files if f.modality in MEDIA_BUNDLE})
-    infos = {kind: home.bundle(refs.get(kind), kind) for kind in kinds}
-    vocab = manifest_from_bundles(infos)
+    # the bundles the inputs need, and any named explicitly: a first job pins ranges for all of them
+    kinds = {"text"} | {MEDIA_BUNDLE[f.modality] for f in files if f.modality in MEDIA_BUNDLE}
+    kinds |= {kind for kind, ref in refs.items() if ref}
+    infos = {kind: home.bundle(refs.get(kind), kind) for kind in sorted(kinds)}
+    vocab = dataset_vocabulary(home, catalog, dataset, infos)
     vocab.save(home.vocab)
     return run_ingest(inputs, dataset, catalog, vocab, {k: str(i.path) for k, i in infos.items()}, cfg.ingest,
                       lineage={"code_version": code_version()})
+
+
+def dataset_vocabulary(home: Home, catalog, dataset: str, infos: dict) -> VocabManifest:
+    """The manifest a job writes with: the dataset's pinned one, extended by appended ranges for
+    modalities it lacks (or refused, when a bundle differs from the one behind an existing range);
+    for a new dataset, the manifest of the job's bundles."""
+    pinned_id = catalog.summary(dataset).get("vocab_id") if catalog.exists(dataset) else None
+    if not pinned_id:
+        return manifest_from_bundles(infos)
+    return home.manifest(pinned_id).extend(infos, f"dataset {dataset!r}")

@@ -24,7 +24,13 @@ def _snapshot(home: Home, cfg, dataset: str, at: str | None, purpose: str):
     summary = catalog.summary(dataset, at)
     if summary["snapshot_id"] is None:
         raise ValueError(f"dataset {dataset!r} has no committed snapshot to {purpose}")
-    return catalog, summary, home.manifest(summary["vocab_id"])
+    vocab = home.manifest(summary["vocab_id"])
+    for entry in summary.get("vocab_history", []):  # every job's files must mean what this manifest says
+        if entry["vocab_id"] != vocab.id and not home.manifest(entry["vocab_id"]).is_prefix_of(vocab):
+            raise ValueError(f"dataset {dataset!r}: snapshot {entry['snapshot_id']} was written with vocabulary "
+                             f"{entry['vocab_id']}, which {vocab.id} does not extend; its ids would be misread. "
+                             "Train on a snapshot before the change (--at) or re-ingest into a new dataset")
+    return catalog, summary, vocab
 
 
 def train(home: Home, dataset: str, cfg, at: str | None = None, progress: bool = True, run_name: str | None = None,

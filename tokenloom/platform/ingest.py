@@ -3,7 +3,7 @@
 One Ray Data pipeline per run. Files are routed by modality on the driver (cheap: a suffix
 look-up), so each modality reads only its own files, runs on its own actor pool with its
 own resources, and the branches meet at a single shard sink. The job id is a hash of the
-inputs, bundles, vocabulary and dataset, so re-running the same job finds its snapshot and
+inputs, bundles, layout options and dataset, so re-running the same job finds its snapshot and
 does nothing; a job that dies before the commit adds no snapshot (its files are gc food).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -25,9 +26,12 @@ from tokenloom.catalog.maintenance import write_json
 from tokenloom.catalog.store import TokenCatalog
 from tokenloom.datasets import sources
 from tokenloom.platform.config import IngestConfig
+from tokenloom.platform.incremental import classify, source_entry, source_index
 from tokenloom.platform.sink import ShardSink
 from tokenloom.platform.workers import WORKERS
 from tokenloom.tokenizers.vocab import VocabManifest
+
+log = logging.getLogger("tokenloom")
 
 
 @dataclass
@@ -43,11 +47,17 @@ class IngestResult:
     skipped_files: list[tuple[str, str]] = field(default_factory=list)
     seconds: float = 0.0
     input_bytes: int = 0
+    # the inputs against the dataset's source index: new (tokenized now), changed, unchanged, removed
+    sources: dict[str, int] = field(default_factory=dict)
 
 
 def job_id_for(dataset: str, manifest_hash: str, vocab: VocabManifest, bundles: dict[str, str],
                text_first: float = 0.0) -> str:
-    parts = [dataset, manifest_hash, vocab.id, sorted(bundles.items())]
+    """The identity of a job: the same inputs tokenized by the same bundles into one dataset.
+    The manifest's id is left out on purpose: a dataset's manifest only ever grows by appended
+    ranges, which give the same ids to the same inputs, so a re-run after another modality's job
+    extended it stays a no-op."""
+    parts = [dataset, manifest_hash, sorted(bundles.items())]
     if text_first:  # a different layout of the same inputs is a different job
         parts.append(round(text_first, 6))
     key = json.dumps(parts)
@@ -138,12 +148,24 @@ def run_ingest(
         raise ValueError(
             f"no ingestible files under {', '.join(map(str, inputs))} (routed suffixes: {sorted(sources.ROUTES)})"
         )
+    if all(f.modality in sources.UNPOOLED for f in files):
+        raise ValueError(f"only caption files under {', '.join(map(str, inputs))}: no samples to ingest")
+    # incremental: only inputs the dataset has not read yet are tokenized (platform/incremental.py)
+    changes = classify(files, source_index(catalog, dataset), inputs)
+    if changes.changed or changes.removed:
+        log.warning("%s: %d input file(s) changed and %d removed since they were ingested; their samples stay as "
+                    "they were (replacing them is not supported yet): %s", dataset, len(changes.changed),
+                    len(changes.removed), ", ".join([f.path for f in changes.changed] + changes.removed)[:500])
     by_modality: dict[str, list[sources.SourceFile]] = {}
-    for f in files:
+    for f in changes.new:
         if f.modality not in sources.UNPOOLED:  # captions and paired images are read with their sample
             by_modality.setdefault(f.modality, []).append(f)
-    if not by_modality:
-        raise ValueError(f"only caption files under {', '.join(map(str, inputs))}: no samples to ingest")
+    if not by_modality:  # nothing new: the dataset already holds every input
+        snap = catalog.snapshot(dataset)
+        summary = catalog.summary(dataset, snap.snapshot_id)
+        return IngestResult(dataset, summary["job_id"], snap.snapshot_id, True, summary["job_samples"],
+                            summary["job_tokens"], summary["quarantined"], summary["quarantine_reasons"], skipped,
+                            time.perf_counter() - started, 0, changes.counts())
     needed: set[str] = set()
     for modality in by_modality:
         config.pool(modality).validate(modality)
@@ -152,17 +174,18 @@ def run_ingest(
                 raise ValueError(f"inputs include {modality} files but no {kind} tokenizer bundle was given")
             needed.add(kind)
     bundles = {kind: Path(bundle_paths[kind]).name for kind in sorted(needed)}
-    manifest_hash = sources.manifest_hash(files)
+    manifest_hash = sources.manifest_hash(changes.new)
     config.validate()
     has_media = any(m in by_modality for m in ("image", "audio"))
     job_id = job_id_for(dataset, manifest_hash, vocab, bundles, config.text_first if has_media else 0.0)
-    input_bytes = sum(f.size for f in files)
+    input_bytes = sum(f.size for f in changes.new)
 
     done = catalog.find_job(dataset, job_id)
     if done is not None:
         s = catalog.summary(dataset, done.snapshot_id)
         return IngestResult(dataset, job_id, done.snapshot_id, True, s["job_samples"], s["job_tokens"],
-                            s["quarantined"], s["quarantine_reasons"], skipped, time.perf_counter() - started, input_bytes)
+                            s["quarantined"], s["quarantine_reasons"], skipped, time.perf_counter() - started,
+                            input_bytes, changes.counts())
 
     ensure_ray(config)
     have_gpus = ray.cluster_resources().get("GPU", 0) > 0
@@ -201,7 +224,8 @@ def run_ingest(
         )
     checksums_file, sources_file = f"{location}/_checksums.json", f"{location}/_sources.json"
     write_json(checksums_file, out.checksums)
-    write_json(sources_file, [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns} for f in files])
+    touched = [f for f in changes.unchanged if f.path in changes.hashes]  # same content, new mtime
+    write_json(sources_file, [source_entry(f, changes.hashes.get(f.path)) for f in changes.new + touched])
     snap = catalog.commit_job(
         dataset,
         job_id,
@@ -215,7 +239,8 @@ def run_ingest(
             "vocab_id": vocab.id,
             "bundle_ids": sorted(bundles.values()),
             "sources_hash": manifest_hash,
-            "sources": len(files),
+            "sources": len(changes.new),
+            "source_changes": changes.counts(),
             "input_bytes": str(input_bytes),
             "checksums_file": checksums_file,
             "sources_file": sources_file,
@@ -224,7 +249,7 @@ def run_ingest(
         stats=out.stats,
     )
     return IngestResult(dataset, job_id, snap.snapshot_id, False, out.samples, out.tokens, out.quarantined,
-                        dict(out.reasons), skipped, time.perf_counter() - started, input_bytes)
+                        dict(out.reasons), skipped, time.perf_counter() - started, input_bytes, changes.counts())
 
 
 def shutdown_ray() -> None:

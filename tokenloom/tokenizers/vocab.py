@@ -5,6 +5,13 @@ visual code range, then one audio code range per RVQ level. Specials come first 
 adding a modality never moves them; a modality that is absent has an empty range. The
 manifest is a JSON document whose id is the hash of its canonical form, so every shard can
 name exactly the layout its ids mean, and the model is built from the same document.
+
+One vocabulary per dataset (ARCHITECTURE.md). A dataset's first job pins its manifest; a later
+job reuses it, or `extend`s it by appending a range for a modality it did not have yet (after
+every existing id, so an audio range added to an image dataset, or a visual range added to an
+audio one, never moves an id). A different bundle for a range that exists is refused: the same
+ids would mean other tokens. `is_prefix_of` is the check a trainer makes of every job's
+manifest against the one it trains with.
 """
 
 from __future__ import annotations
@@ -64,8 +71,60 @@ class VocabManifest:
 
     @property
     def size(self) -> int:
-        """Total vocabulary size (embedding rows the model needs)."""
-        return self.audio[-1].stop if self.audio else self.visual.stop
+        """Total vocabulary size (embedding rows the model needs): past the last range, wherever
+        an extension appended it."""
+        return max(r.stop for r in (self.text, self.visual, *self.audio))
+
+    def ranges(self) -> dict[str, TokenRange]:
+        """The non-empty ranges by name: text, visual, audio0, audio1, ..."""
+        named = {"text": self.text, "visual": self.visual, **{f"audio{i}": r for i, r in enumerate(self.audio)}}
+        return {name: r for name, r in named.items() if r.size > 0}
+
+    def is_prefix_of(self, other: VocabManifest) -> bool:
+        """Every id of this manifest means the same token in `other`: same specials, each of this
+        manifest's ranges present in `other` at the same place, made by the same bundle."""
+        if self.specials != other.specials:
+            return False
+        theirs = other.ranges()
+        if any(theirs.get(name) != r for name, r in self.ranges().items()):
+            return False
+        kinds = {"text"} | ({"visual"} if self.visual.size else set()) | ({"audio"} if self.audio else set())
+        return all(self.bundles.get(k) == other.bundles.get(k) for k in kinds)
+
+    def extend(self, bundles: dict[str, BundleInfo], what: str = "this vocabulary") -> VocabManifest:
+        """This manifest with a range appended for each bundle's modality that it lacks; itself
+        when it has them all. Raises BundleError when a bundle differs from the one that made an
+        existing range (naming both); `what` names the owner in that message (a dataset)."""
+        text, visual, audio = self.text, self.visual, self.audio
+        owned = dict(self.bundles)
+        cursor = self.size
+        for kind in ("text", "visual", "audio"):
+            info = bundles.get(kind)
+            if info is None:
+                continue
+            present = {"text": True, "visual": visual.size > 0, "audio": bool(audio)}[kind]
+            if present:
+                if owned.get(kind) is None:  # a range no bundle is named for (a bare manifest) is claimed
+                    owned[kind] = info.id
+                elif owned[kind] != info.id:
+                    raise BundleError(
+                        f"{what} pins the {kind} tokenizer {owned.get(kind)} (vocabulary {self.id}); this job's is "
+                        f"{info.id}, whose ids would mean other tokens: ingest with {owned.get(kind)} or into a new "
+                        "dataset (--dataset NEW_NAME)")
+                continue
+            if kind == "visual":
+                visual = TokenRange(cursor, cursor + int(info.config["num_codes"]))
+                cursor = visual.stop
+            else:
+                size, levels = int(info.config["codebook_size"]), int(info.config["levels"])
+                audio = tuple(TokenRange(cursor + i * size, cursor + (i + 1) * size) for i in range(levels))
+                cursor = audio[-1].stop
+            owned[kind] = info.id
+        if (visual, audio, owned) == (self.visual, self.audio, self.bundles):
+            return self
+        if visual.size == 0:  # keep an absent modality's empty range where it was
+            visual = self.visual
+        return VocabManifest(text, visual, audio, dict(self.specials), owned)
 
     @property
     def pad_id(self) -> int:
