@@ -165,7 +165,8 @@ def evaluate_tiers(home: Home, cfg, source: Path, dataset: str, at: str | None =
                       SamplingConfig(temperature=0))
         seconds = time.perf_counter() - started
         weights = sum(t.numel() * t.element_size() for t in small.state_dict().values())
-        kv = 2 * small.cfg.n_layers * (len(prompt) + new_tokens + 2) * small.cfg.dim * 4
+        # the cache the decoder allocates: keys and values per layer for every position of the run
+        kv = 2 * small.cfg.n_layers * (len(prompt) + new_tokens + 2) * small.cfg.dim * small.embed.weight.element_size()
         rows.append({"tier": tier, **sub.describe(), "n_layers": small.cfg.n_layers,
                      "n_experts": small.cfg.moe.n_experts, "top_k": small.cfg.moe.top_k, "parameters": total,
                      "active_parameters": active_parameters(small.cfg, total), **losses,

@@ -51,8 +51,7 @@ class IngestResult:
     sources: dict[str, int] = field(default_factory=dict)
 
 
-def job_id_for(dataset: str, manifest_hash: str, vocab: VocabManifest, bundles: dict[str, str],
-               text_first: float = 0.0) -> str:
+def job_id_for(dataset: str, manifest_hash: str, bundles: dict[str, str], text_first: float = 0.0) -> str:
     """The identity of a job: the same inputs tokenized by the same bundles into one dataset.
     The manifest's id is left out on purpose: a dataset's manifest only ever grows by appended
     ranges, which give the same ids to the same inputs, so a re-run after another modality's job
@@ -177,7 +176,7 @@ def run_ingest(
     manifest_hash = sources.manifest_hash(changes.new)
     config.validate()
     has_media = any(m in by_modality for m in ("image", "audio"))
-    job_id = job_id_for(dataset, manifest_hash, vocab, bundles, config.text_first if has_media else 0.0)
+    job_id = job_id_for(dataset, manifest_hash, bundles, config.text_first if has_media else 0.0)
     input_bytes = sum(f.size for f in changes.new)
 
     done = catalog.find_job(dataset, job_id)
