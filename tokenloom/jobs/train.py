@@ -3,7 +3,9 @@ smaller elastic sub-model.
 
 The dataset's snapshot fixes the data files and its vocabulary manifest fixes the token space
 (`trainer.fit`); the trainer does the rest. A run folder records which snapshot and manifest it
-trained on (`source.json`), so a checkpoint can be matched to its data later.
+trained on (`source.json`), and so does every checkpoint's manifest, with the bundles and the code
+version (facts the trainer may not look up itself: it does not import `jobs`). `--resume` takes a
+run name, a run folder or a checkpoint folder, and a resumed run continues in its own run folder.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 from tokenloom.datasets import shard_files
-from tokenloom.jobs.home import Home, model_folder, open_catalog
+from tokenloom.jobs.home import Home, code_version, model_folder, open_catalog
 
 log = logging.getLogger("tokenloom")
 
@@ -33,20 +36,67 @@ def _snapshot(home: Home, cfg, dataset: str, at: str | None, purpose: str):
     return catalog, summary, vocab
 
 
+def resume_point(home: Home, ref: str | Path) -> Path:
+    """The checkpoint `--resume` names: a run's name (under the home's runs/), a run folder, a run's
+    checkpoint/ folder or one checkpoint; a run's newest complete checkpoint."""
+    from tokenloom.trainer.checkpoints import find_checkpoint
+
+    path = Path(ref)
+    if len(path.parts) == 1 and (home.runs / path).is_dir():
+        path = home.runs / path
+    if not path.exists():
+        raise FileNotFoundError(f"--resume {ref}: no run of that name in {home.runs} and no such folder")
+    try:
+        return find_checkpoint(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"--resume {ref}: {exc}") from None
+
+
+def run_folder(home: Home, dataset: str, run_name: str | None, checkpoint: Path | None,
+               refuse_existing: bool = False) -> Path:
+    """Where a run writes: `--run NAME`, else the run folder a resumed checkpoint belongs to, else a
+    new one. `refuse_existing` (the command line): a named run that exists already is continued
+    only by resuming it (the demo trains its `demo` run afresh on every call)."""
+    if run_name is not None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", run_name):
+            raise ValueError(f"--run {run_name!r}: a run name is letters, digits, '.', '_' and '-'")
+        folder = home.new_dir(dataset, run_name)
+        owner = _owning_run(checkpoint)
+        resuming_it = owner is not None and owner.resolve() == folder.resolve()
+        if refuse_existing and (folder / "config.json").exists() and not resuming_it:
+            raise ValueError(f"run {run_name!r} already exists in {home.runs}; continue it with --resume {run_name} "
+                             "or choose another --run")
+        return folder
+    return _owning_run(checkpoint) or home.new_dir(dataset)
+
+
+def _owning_run(checkpoint: Path | None) -> Path | None:
+    """The run folder holding `checkpoint` (`<run>/checkpoint/<tag>`), when it is one."""
+    if checkpoint is None or checkpoint.parent.name != "checkpoint":
+        return None
+    run = checkpoint.parent.parent
+    return run if (run / "config.json").is_file() else None
+
+
 def train(home: Home, dataset: str, cfg, at: str | None = None, progress: bool = True, run_name: str | None = None,
-          resume_from: Path | None = None):
-    """Train on a snapshot: (snapshot id, trainer.TrainResult)."""
+          resume_from: str | Path | None = None, refuse_existing: bool = False):
+    """Train on a snapshot: (snapshot id, trainer.TrainResult). `resume_from`: see `resume_point`;
+    `refuse_existing`: see `run_folder`."""
     from tokenloom.trainer import train as run_training
     from tokenloom.trainer.fit import fit_to_vocabulary
 
+    checkpoint = resume_point(home, resume_from) if resume_from is not None else None
+    run_dir = run_folder(home, dataset, run_name, checkpoint, refuse_existing)
     catalog, summary, vocab = _snapshot(home, cfg, dataset, at, "train on")
     fit_to_vocabulary(cfg.model, cfg.stream, vocab.size, [(r.start, r.stop) for r in vocab.audio])
     if not cfg.train.warmup_steps:
         log.info("train.warmup_steps is not set: warming up over %d of %d steps (10%% of the run)",
                  cfg.train.warmup, cfg.train.steps)
     files = shard_files(catalog, dataset, summary["snapshot_id"])
-    result = run_training(files, cfg.model, cfg.stream, cfg.train, home.new_dir(dataset, run_name),
-                          resume_from=resume_from, progress=progress)
+    provenance = {"dataset": dataset, "snapshot_ids": [summary["snapshot_id"]], "vocab_id": vocab.id,
+                  "bundle_ids": dict(sorted(vocab.bundles.items())), "code_version": code_version()}
+    result = run_training(files, cfg.model, cfg.stream, cfg.train, run_dir, resume_from=checkpoint, progress=progress,
+                          provenance=provenance)
     if int(os.environ.get("RANK", "0")) == 0:  # every rank trains in rank 0's run folder (the loop broadcasts it)
         from tokenloom.model.io import annotate_model
 

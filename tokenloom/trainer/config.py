@@ -1,4 +1,4 @@
-"""Training configuration: optimisation, schedule, precision and logging for one run."""
+"""Training configuration: optimisation, schedule, precision, logging and checkpointing for one run."""
 
 from __future__ import annotations
 
@@ -22,8 +22,11 @@ class TrainConfig:
     precision: str = "auto"
     log_every: int = 10
     seed: int = 0
-    save_checkpoint: bool = True
+    save_checkpoint: bool = True  # a checkpoint when this invocation ends (at `steps` or `stop_after`)
     stop_after: int = 0  # stop this invocation at this global step (0: run to `steps`); resume later
+    checkpoint_every: int = 0  # also a checkpoint every this many steps (0: only at the end)
+    checkpoint_every_minutes: float = 0.0  # and after this many minutes without one (0: off)
+    keep_last: int = 2  # complete checkpoints kept; older ones go once a newer one is complete (0: keep all)
     expert_parallel: int = 1  # ranks one layer's experts are spread over (divides the world size)
 
     def validate(self) -> None:
@@ -33,6 +36,11 @@ class TrainConfig:
             raise ValueError(f"train.zero_stage must be 0, 1 or 2 on this trainer, got {self.zero_stage}")
         if not 0 <= self.stop_after <= self.steps:
             raise ValueError(f"train.stop_after ({self.stop_after}) must be between 0 and train.steps ({self.steps})")
+        if self.checkpoint_every < 0 or self.checkpoint_every_minutes < 0:
+            raise ValueError(f"train.checkpoint_every ({self.checkpoint_every}) and train.checkpoint_every_minutes "
+                             f"({self.checkpoint_every_minutes}) must be >= 0 (0: off)")
+        if self.keep_last < 0:
+            raise ValueError(f"train.keep_last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"train.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.expert_parallel < 1:

@@ -5,9 +5,11 @@ schedule (and, with `train.expert_parallel`, the expert/data process groups and 
 groups); this file owns the data stream, the elastic sub-model of each step, the routers'
 auxiliary-loss-free bias updates (from loads summed over every rank, so biases stay equal),
 the attention mask's intervals (computed once per micro-batch from the row's segment columns
-and handed to the model), precision context, logging (per-modality losses, per-layer routing balance) and checkpoints. The
-data stream's state is saved inside each DeepSpeed checkpoint (client state), so resuming
-a run continues with exactly the batch the interrupted run would have read next.
+and handed to the model), precision context, logging (per-modality losses, per-layer routing
+balance, gradient norm, learning rate, peak memory) and when to checkpoint (`trainer.checkpoints`
+writes them atomically). The data stream's state is saved inside each DeepSpeed checkpoint
+(client state), so resuming a run continues with exactly the batch the interrupted run would have
+read next, and its losses and weights are the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from tokenloom.model import ModelConfig
 from tokenloom.model.elastic import sample_submodel
 from tokenloom.model.io import save_model
 from tokenloom.model.unified import UnifiedModel, mask_indices, routing_metrics
+from tokenloom.trainer import checkpoints
 from tokenloom.trainer.config import TrainConfig
 from tokenloom.trainer.distributed import init_distributed, use_bf16
-from tokenloom.trainer.metrics import MetricsLog, plot_loss, plot_routing
+from tokenloom.trainer.metrics import MetricsLog, peak_memory, plot_loss, plot_routing
 
 
 @dataclass
@@ -42,7 +45,7 @@ class TrainResult:
     tokens_seen: int
     parameters: int
     run_dir: str
-    checkpoint: str | None
+    checkpoint: str | None  # the newest checkpoint this invocation wrote
     loss_plot: str | None
     world_size: int = 1
     losses: list[float] = field(default_factory=list)
@@ -87,7 +90,10 @@ class StepStats:
     def reduce(self, world: int) -> None:
         if world > 1:
             flat = torch.cat([self.parts, self.loads.flatten()])
+            if torch.distributed.get_backend() == "nccl":  # NCCL reduces only CUDA tensors
+                flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
             torch.distributed.all_reduce(flat)
+            flat = flat.cpu()
             self.parts, self.loads = flat[: len(self.KEYS)], flat[len(self.KEYS) :].view_as(self.loads)
 
     def modality_losses(self) -> dict[str, float | None]:
@@ -104,7 +110,12 @@ def train(
     run_dir: Path,
     resume_from: Path | None = None,
     progress: bool = True,
+    provenance: dict | None = None,
 ) -> TrainResult:
+    """Train for `train_cfg.steps` (or up to `stop_after`), from step 0 or from the checkpoint
+    `resume_from` (a checkpoint folder, a run's `checkpoint/` folder or a run folder: its newest
+    complete checkpoint). `provenance`: what the job knows of the data and code (dataset, snapshot
+    id, vocabulary id, bundle ids, code version), written into every checkpoint's manifest."""
     import deepspeed
 
     train_cfg.validate()
@@ -132,7 +143,8 @@ def train(
     stream = TokenStream(files, stream_cfg, rank=rank, world_size=world)
     start_step = 0
     if resume_from is not None:
-        _, client = engine.load_checkpoint(str(resume_from))
+        resume_from = checkpoints.find_checkpoint(resume_from)
+        _, client = engine.load_checkpoint(str(resume_from.parent), tag=resume_from.name)
         if client is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {resume_from}")
         _check_resumable(client, resume_from, world, stream_cfg, files)
@@ -145,7 +157,7 @@ def train(
 
     bf16 = use_bf16(train_cfg.precision, engine.device)
     autocast = torch.autocast(engine.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    metrics = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_at=start_step if resume_from else None) if rank == 0 else None
     if rank == 0:
         (run_dir / "config.json").write_text(json.dumps(
             {"model": asdict(model_cfg), "stream": asdict(stream_cfg), "train": asdict(train_cfg),
@@ -162,6 +174,20 @@ def train(
     late_loads = torch.zeros(model_cfg.n_layers, MODALITY_SLOTS, model_cfg.moe.n_experts)  # the last quarter of the run
     late_from = end_step - max(1, (end_step - start_step) // 4)
     window: list[StepStats] = []  # steps since the last log record
+    window_grad_norms: list[float] = []
+    schedule = checkpoints.Schedule(train_cfg.checkpoint_every, train_cfg.checkpoint_every_minutes, world,
+                                    engine.device)
+    checkpoint: Path | None = None
+
+    def save(at_step: int) -> Path:
+        client = {"data": _gather_states(stream, world), "step": at_step, "world_size": world,
+                  "stream": asdict(stream_cfg), "files": [f.path for f in files]}
+        manifest = {**(provenance or {}), "files": len(files),
+                    "config": {"model": asdict(model_cfg), "stream": asdict(stream_cfg), "train": asdict(train_cfg)}}
+        path = checkpoints.save(engine, run_dir / checkpoints.ROOT, at_step, client, manifest, train_cfg.keep_last,
+                                rank, world)
+        schedule.saved()
+        return path
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
         sub = sample_submodel(model_cfg, step)
@@ -178,6 +204,9 @@ def train(
             step_loss += loss.item() / train_cfg.grad_accum
             tokens_seen += int((batch["labels"] != IGNORE_INDEX).sum()) * world
         stats.reduce(world)
+        grad_norm = engine.get_global_grad_norm()  # of this step's update, before clipping
+        if grad_norm is not None:
+            window_grad_norms.append(float(grad_norm))
         engine.module.update_router_bias(stats.loads, sub)  # same loads on every rank: same biases
         if step >= late_from:
             late_loads += stats.loads
@@ -194,20 +223,20 @@ def train(
         if step % train_cfg.log_every == 0 or step == end_step - 1:
             # per-modality losses over the steps since the last record: images and audio are rare
             merged, window = _merge_recent(window), []
+            norms, window_grad_norms = window_grad_norms, []
             if metrics is not None:
                 record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                          "grad_norm": norms[-1] if norms else None, "grad_norm_max": max(norms, default=None),
                           "tokens_per_second": tokens_seen / max(train_seconds, 1e-9), **merged.modality_losses(),
-                          "submodel": sub.describe()}
+                          **peak_memory(engine.device), "submodel": sub.describe()}
                 record.update(routing_metrics(merged.loads))
                 metrics.log(record)
+        if step + 1 < end_step and schedule.due(step + 1):
+            checkpoint = save(step + 1)
     bar.close()
 
-    checkpoint = None
-    if train_cfg.save_checkpoint:
-        checkpoint = str(run_dir / "checkpoint")
-        engine.save_checkpoint(checkpoint, client_state={
-            "data": _gather_states(stream, world), "step": end_step, "world_size": world,
-            "stream": asdict(stream_cfg), "files": [f.path for f in files]})
+    if train_cfg.save_checkpoint:  # the periodic saves stop short of the last step: this one is new
+        checkpoint = save(end_step)
     final = _merge_recent(recent)
     routing = _routing_summary(final.loads)
     state = _full_state(engine.module, ep)
@@ -227,7 +256,7 @@ def train(
         tokens_seen=tokens_seen,
         parameters=parameters,
         run_dir=str(run_dir),
-        checkpoint=checkpoint,
+        checkpoint=str(checkpoint) if checkpoint else None,
         loss_plot=str(plot) if plot else None,
         world_size=world,
         losses=losses,

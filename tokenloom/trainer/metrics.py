@@ -1,4 +1,9 @@
-"""Run metrics: a JSON-lines log, a loss-curve PNG per modality and an expert-load heatmap, written by rank 0."""
+"""Run metrics: a JSON-lines log, a loss-curve PNG per modality and an expert-load heatmap, written by rank 0.
+
+A resumed run continues its run folder's log: records from steps before the resume point are kept
+and the rest (what the interrupted run logged after its last checkpoint) are dropped, so the log of
+a resumed run reads like the log of one that was never interrupted.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,24 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, resume_at: int | None = None):
+        """A fresh log, or (`resume_at`: the step a resumed run starts at) the existing one's records
+        before that step."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.records: list[dict] = []
+        if resume_at is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a killed run can be cut short
+                    continue
+                if record.get("step", resume_at) < resume_at:
+                    self.records.append(record)
         self._file = self.path.open("w")
+        for record in self.records:
+            self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
 
     def log(self, record: dict) -> None:
         self.records.append(record)
@@ -21,6 +39,20 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def peak_memory(device) -> dict[str, float]:
+    """Peak memory in MiB: the process's max RSS (since it started) and, on a GPU, the allocator's
+    peak since the last call (so each logging window reports its own)."""
+    import resource
+
+    import torch
+
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    if getattr(device, "type", device) == "cuda":
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
 
 
 def _pyplot():

@@ -1,0 +1,213 @@
+"""Training jobs that last: a run killed with SIGKILL at a random step and resumed by name ends with
+the uninterrupted run's losses and weights; a half-written checkpoint is never resumed; keep_last
+holds the number of checkpoints; resuming what has no checkpoint is one line and status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tokenloom.trainer import checkpoints
+
+STEPS, EVERY, KEEP = 8, 2, 2
+# the tiny recipe, smaller still: the process start, not the steps, is what these tests wait for
+SMALL = ["--config", "tiny", "--steps", str(STEPS), "--json", "model.dim=32", "model.n_layers=1", "model.n_heads=1",
+         "model.moe.n_experts=4", "stream.seq_len=64", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every=1",
+         f"train.checkpoint_every={EVERY}", f"train.keep_last={KEEP}"]
+LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _fake_checkpoint(folder: Path, step: int | None) -> Path:
+    """A folder shaped like a checkpoint; with `step`, complete (it has the manifest)."""
+    folder.mkdir(parents=True)
+    (folder / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    if step is not None:
+        (folder / checkpoints.MANIFEST).write_text(json.dumps({"step": step}))
+    return folder
+
+
+def test_only_a_checkpoint_with_its_manifest_is_latest(tmp_path):
+    root = tmp_path / "run" / checkpoints.ROOT
+    for step in (2, 4, 10):  # step 10 sorts after step 4 (numbers, not strings)
+        _fake_checkpoint(root / checkpoints.tag(step), step)
+    _fake_checkpoint(root / f"{checkpoints.TMP_PREFIX}{checkpoints.tag(12)}", None)  # killed while writing
+    _fake_checkpoint(root / checkpoints.tag(14), None)  # a step folder without its manifest: not complete
+    latest = root / checkpoints.tag(10)
+    assert checkpoints.latest_complete(root) == latest
+    for given in (tmp_path / "run", root, latest):  # a run folder, its checkpoint folder, the checkpoint
+        assert checkpoints.find_checkpoint(given) == latest
+    assert checkpoints.find_checkpoint(root / checkpoints.tag(2)) == root / checkpoints.tag(2)
+
+    deleted = checkpoints.prune(root, keep_last=2)
+    assert sorted(p.name for p in deleted) == [f"{checkpoints.TMP_PREFIX}step-000012", "step-000002"]
+    assert [p.name for p in checkpoints.complete(root)] == ["step-000004", "step-000010"]
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        checkpoints.find_checkpoint(root / f"{checkpoints.TMP_PREFIX}{checkpoints.tag(12)}")
+    # resumed from step 4 (or started afresh) and saved step 6: step 10 is of an abandoned line of training
+    _fake_checkpoint(root / checkpoints.tag(6), 6)
+    assert [p.name for p in checkpoints.prune(root, keep_last=2, current=6)] == ["step-000010"]
+    assert checkpoints.latest_complete(root) == root / checkpoints.tag(6)
+
+
+def test_a_checkpoint_is_due_every_n_steps_or_after_m_minutes():
+    steps = checkpoints.Schedule(every=3, minutes=0, world=1)
+    assert [n for n in range(1, 10) if steps.due(n)] == [3, 6, 9]
+    clock = checkpoints.Schedule(every=0, minutes=0.5, world=1)
+    assert not clock.due(1)
+    clock.last -= 31  # half a minute and a second without a checkpoint
+    assert clock.due(2)
+    clock.saved()
+    assert not clock.due(3)
+    assert not any(checkpoints.Schedule(0, 0, 1).due(n) for n in range(1, 50))
+
+
+def test_resuming_what_has_no_checkpoint_is_one_line_and_status_2(tmp_path):
+    from cli_runner import run
+
+    home = tmp_path / "home"
+    (home / "runs" / "fresh").mkdir(parents=True)
+    _fake_checkpoint(home / "runs" / "crashed" / checkpoints.ROOT / f"{checkpoints.TMP_PREFIX}step-000004", None)
+    (home / "runs" / "crashed" / "config.json").write_text("{}")
+    for args, message in [
+        (("--resume", "nosuch"), "--resume nosuch: no run of that name"),
+        (("--resume", "fresh"), "--resume fresh: "),
+        (("--resume", "crashed"), "holds no complete checkpoint"),  # only a half-written one
+        (("--resume", str(home / "runs" / "crashed" / checkpoints.ROOT)), "holds no complete checkpoint"),
+        (("--run", "crashed"), "run 'crashed' already exists"),
+        (("--run", "../up"), "a run name is letters"),
+    ]:
+        bad = run("train", "--dataset", "docs", *args, home=home)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+@pytest.fixture(scope="module")
+def docs_home(tmp_path_factory, stdlib_corpus, text_bundle):
+    """A home with the sample corpus ingested once (Ray, in its own process) as dataset `docs`."""
+    home = tmp_path_factory.mktemp("ckpt-home")
+    shutil.copytree(text_bundle.path, home / "bundles" / text_bundle.id)
+    r = subprocess.run([sys.executable, "-m", "tokenloom.cli", "ingest", str(stdlib_corpus), "--dataset", "docs",
+                        "--tokenizer", text_bundle.id, "--json", "--set", "ingest.ray.progress_bars=false"],
+                       capture_output=True, text=True, timeout=600, env=_clean_env(home))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return home
+
+
+def _clean_env(home: Path) -> dict:
+    """This process's environment without a launcher's variables (a child picks its own port)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    return {**env, "TOKENLOOM_HOME": str(home)}
+
+
+def _kill_after_checkpoint(home: Path, name: str, past: int) -> int:
+    """Start `tokenloom train --run name` and SIGKILL it once a complete checkpoint at or past step
+    `past` exists; returns the newest complete step at the kill."""
+    import torch
+
+    env = {**_clean_env(home), "OMP_NUM_THREADS": str(torch.get_num_threads())}  # this process's arithmetic
+    root = home / "runs" / name / checkpoints.ROOT
+    with open(home / f"{name}.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", "train", "--dataset", "docs", "--run", name,
+                                 *SMALL], stdout=subprocess.DEVNULL, stderr=err, env=env)
+        try:
+            deadline = time.monotonic() + 420
+            while time.monotonic() < deadline and proc.poll() is None:
+                latest = checkpoints.latest_complete(root)
+                if latest is not None and checkpoints.read_manifest(latest)["step"] >= past:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+                time.sleep(0.02)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert code == -signal.SIGKILL, f"the run ended by itself ({code}) before it was killed:\n" \
+                                    f"{(home / f'{name}.err').read_text()[-3000:]}"
+    return checkpoints.read_manifest(checkpoints.latest_complete(root))["step"]
+
+
+def _document(result) -> dict:
+    """The --json document of an in-process run: DeepSpeed's logger writes to the stdout the
+    runner captures (in a subprocess it goes to stderr), so the document is the last thing there."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    return json.loads(text[text.rindex("\n{\n") + 1:] if not text.startswith("{\n") else text)
+
+
+def _losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.integration
+def test_a_killed_run_resumed_by_name_ends_as_the_uninterrupted_run(docs_home, monkeypatch):
+    import torch
+    from cli_runner import run
+    from safetensors.torch import load_file
+
+    home = docs_home
+    past = random.Random().randrange(1, STEPS // EVERY - 1) * EVERY  # 2 or 4: steps before it and after it
+    killed_at = _kill_after_checkpoint(home, "killed", past)
+    assert past <= killed_at < STEPS, f"killed past step {past}: newest complete checkpoint {killed_at}"
+    runs = home / "runs"
+    root = runs / "killed" / checkpoints.ROOT
+    # a crash in the middle of the next save: every shard there, the manifest not yet written
+    half = root / f"{checkpoints.TMP_PREFIX}{checkpoints.tag(STEPS - 1)}"
+    shutil.copytree(root / checkpoints.tag(killed_at), half, dirs_exist_ok=True)
+    (half / checkpoints.MANIFEST).unlink()
+    assert checkpoints.find_checkpoint(runs / "killed") == root / checkpoints.tag(killed_at)
+
+    # the uninterrupted run and the resumption in this process (no second torch import to wait for)
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(key, value)
+    try:
+        straight = _document(run("train", "--dataset", "docs", "--run", "straight", *SMALL, home=home))
+        resumed = _document(run("train", "--dataset", "docs", "--resume", "killed", *SMALL, home=home))
+    finally:
+        if torch.distributed.is_initialized():  # a one-rank group outlives a run: later tests want none
+            torch.distributed.destroy_process_group()
+
+    assert resumed["run_dir"] == str(runs / "killed") and resumed["steps"] == STEPS - killed_at
+    assert resumed["checkpoint"] == str(root / checkpoints.tag(STEPS))
+    # measured on CPU, one rank and two (expert-parallel): bit for bit
+    assert resumed["losses"] == pytest.approx(straight["losses"][killed_at:], rel=1e-6, abs=1e-6)
+    # the run folder's log: every step once, the killed run's before the resume point, then the resumed run's
+    logged, expected = _losses(runs / "killed"), _losses(runs / "straight")
+    assert [s for s, _ in logged] == list(range(STEPS))
+    assert [loss for _, loss in logged] == pytest.approx([loss for _, loss in expected], rel=1e-6, abs=1e-6)
+    weights = load_file(runs / "killed" / "model" / "model.safetensors")
+    reference = load_file(runs / "straight" / "model" / "model.safetensors")
+    assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+    # keep_last: exactly K complete checkpoints, the newest, and nothing half-written left behind
+    for folder in (root, runs / "straight" / checkpoints.ROOT):
+        assert [p.name for p in checkpoints.complete(folder)] == [checkpoints.tag(s) for s in (STEPS - EVERY, STEPS)]
+        assert not [p for p in folder.iterdir() if p.name.startswith(checkpoints.TMP_PREFIX)]
+        assert (folder / "latest").read_text() == checkpoints.tag(STEPS)
+    manifest = checkpoints.read_manifest(root / checkpoints.tag(STEPS))
+    summary = json.loads((runs / "killed" / "source.json").read_text())
+    assert (manifest["step"], manifest["snapshot_ids"], manifest["vocab_id"]) == (
+        STEPS, [summary["snapshot_id"]], summary["vocab_id"])
+    assert list(manifest["bundle_ids"].values()) == [p.name for p in (home / "bundles").iterdir()]
+    assert manifest["config"]["train"]["keep_last"] == KEEP and manifest["code_version"]
+    record = json.loads((runs / "straight" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["grad_norm"] > 0 and record["lr"] > 0 and record["peak_rss_mb"] > 100
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
