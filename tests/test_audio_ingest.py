@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
 import torch
@@ -51,6 +54,15 @@ def test_every_good_file_once_with_its_transcript(ingested):
     files, _ = sources.discover([inputs])
     standalone = {f.path for f in files if f.modality == "audio" and not f.path.endswith(".jsonl")
                   and "/bad/" not in f.path}
+    # valid but clipped recordings (odd/clipped.wav) are dropped by the audio.clipping filter:
+    # counted here from the files themselves, and found in the job's filtered side file
+    clipped = {p for p in standalone if np.mean(np.abs(sf.read(p, always_2d=True)[0]) >= 0.999) >
+               cfg.ingest.filters.audio.max_clipping_fraction}
+    assert {Path(p).name for p in clipped} == {"clipped.wav"}
+    snap = open_catalog(home, cfg).snapshot("sounds").tokenloom
+    filtered = [r for uri in json.loads(snap["filtered_files"]) for r in pq.read_table(uri.removeprefix("file://")).to_pylist()]
+    assert {r["source"]: r["filter"] for r in filtered} == dict.fromkeys(clipped, "audio.clipping")
+    standalone -= clipped
     assert {f.path for f in files if f.modality == sources.REFERENCED} == {
         str(p.resolve()) for p in (inputs / "paired").glob("*.wav")}
     audio_rows = [r for r in rows if "audio" in r["modalities"]]

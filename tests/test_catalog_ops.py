@@ -38,7 +38,7 @@ def rows(n: int, job: str, start: int = 0) -> pa.Table:
     return pa.Table.from_pylist(out, schema=SHARD_SCHEMA)
 
 
-def commit(catalog: TokenCatalog, name: str, job: str, table: pa.Table):
+def commit(catalog: TokenCatalog, name: str, job: str, table: pa.Table, delete_sources=()):
     """What the ingestion sink and driver do: write files with checksums, then commit once."""
     loc = catalog.data_location(name, job)
     filesystem, base = fs.FileSystem.from_uri(loc)
@@ -58,7 +58,7 @@ def commit(catalog: TokenCatalog, name: str, job: str, table: pa.Table):
                                                  "checksums_file": f"{loc}/_checksums.json",
                                                  "sources_hash": "abc", "vocab_id": "vocab-t",
                                                  "bundle_ids": ["text-t"], "code_version": "test"},
-                              stats=shard_stats(table))
+                              stats=shard_stats(table), delete_sources=delete_sources)
 
 
 @pytest.fixture
@@ -102,6 +102,36 @@ def test_stats_equal_a_full_recount(catalog):
     assert stored == merge_stats(shard_stats(t1), shard_stats(t2))
     assert catalog.summary("ds")["total_quarantined"] == 2
     assert catalog.summary("ds", at=catalog.history("ds")[0].snapshot_id)["stats"] == shard_stats(t1)
+
+
+def test_replacing_sources_is_one_snapshot_with_exact_rows_stats_and_checksums(catalog):
+    """A job that re-reads src1 and drops src2: their old rows leave in the same snapshot that
+    adds the new ones; the totals equal a recount; every file (rewritten ones too) verifies."""
+    first = rows(24, "job-1")  # sources src0..src3, spread over one file per modality mix
+    commit(catalog, "ds", "job-1", first)
+    replacement = rows(5, "job-2", start=100).set_column(1, "source", pa.array(["src1.txt"] * 5))
+    snap = commit(catalog, "ds", "job-2", replacement, delete_sources=["src1.txt", "src2.txt"])
+    assert len(catalog.history("ds")) == 2 and snap.operation == "overwrite"
+    now = catalog.scan("ds")
+    expected = sorted(r for r, src in zip(first["sample_id"].to_pylist(), first["source"].to_pylist(), strict=True)
+                      if src in ("src0.txt", "src3.txt")) + [f"job-2-{i}" for i in range(100, 105)]
+    assert sorted(now["sample_id"].to_pylist()) == sorted(expected)
+    assert sorted(set(now["source"].to_pylist())) == ["src0.txt", "src1.txt", "src3.txt"]
+    summary = catalog.summary("ds")
+    assert summary["samples"] == len(expected)
+    assert json.loads(json.dumps(summary["stats"])) == shard_stats(now.cast(SHARD_SCHEMA))
+    assert verify(catalog, "ds").ok
+    # time travel still sees the first job's rows, and gc keeps the files it needs
+    assert catalog.scan("ds", at=catalog.history("ds")[0].snapshot_id).num_rows == 24
+    gc(catalog, "ds", older_than_s=0)
+    assert catalog.scan("ds").num_rows == len(expected) and verify(catalog, "ds").ok
+
+
+def test_deleting_a_source_absent_from_the_table_changes_nothing(catalog):
+    commit(catalog, "ds", "job-1", rows(8, "job-1"))
+    commit(catalog, "ds", "job-2", rows(2, "job-2", start=50), delete_sources=["nowhere.txt"])
+    assert catalog.scan("ds").num_rows == 10
+    assert catalog.summary("ds")["stats"]["samples"] == 10
 
 
 def test_killed_job_leaves_table_unchanged_and_gc_cleans(tmp_path):

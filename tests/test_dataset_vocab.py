@@ -139,11 +139,16 @@ def test_image_job_then_audio_job_share_no_id_and_train(tmp_path, text_bundle, m
 
 
 @pytest.mark.integration
-def test_adding_a_file_ingests_only_that_file(tmp_path, text_bundle):
+def test_adding_changing_and_removing_files(tmp_path, text_bundle):
     """3 files of 2 records, then a fourth of 1 record: 7 samples, not 13; the same inputs
-    again: nothing; a changed and a removed file are counted, not re-ingested."""
+    again: nothing; a changed file's samples are replaced in one snapshot; a removed file's
+    samples stay until `sync`, which deletes exactly them; after each step the catalog's
+    statistics equal a recount and every file verifies."""
     import json
 
+    from tokenloom.catalog.maintenance import verify
+    from tokenloom.catalog.schema import SHARD_SCHEMA
+    from tokenloom.catalog.stats import shard_stats
     from tokenloom.jobs.config import RunConfig
     from tokenloom.jobs.home import Home, open_catalog
     from tokenloom.jobs.ingest import ingest
@@ -159,6 +164,16 @@ def test_adding_a_file_ingests_only_that_file(tmp_path, text_bundle):
     def write(name: str, *texts: str) -> None:
         (docs / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
 
+    def per_source() -> dict[str, int]:
+        catalog = open_catalog(home, cfg)
+        table = catalog.scan("grow")
+        assert json.loads(json.dumps(catalog.summary("grow")["stats"])) == shard_stats(table.cast(SHARD_SCHEMA))
+        assert verify(catalog, "grow").ok
+        ids = table.column("sample_id").to_pylist()
+        assert len(ids) == len(set(ids))
+        names = [Path(p).name for p in table.column("source").to_pylist()]
+        return {n: names.count(n) for n in sorted(set(names))}
+
     for i in range(3):
         write(f"f{i}.jsonl", f"first record of file {i}", f"second record of file {i}")
     refs = {"text": text_bundle.id}
@@ -166,14 +181,25 @@ def test_adding_a_file_ingests_only_that_file(tmp_path, text_bundle):
     write("f3.jsonl", "the only record of a new file")
     second = ingest(home, [docs], "grow", cfg, refs)
     third = ingest(home, [docs], "grow", cfg, refs)
-    write("f0.jsonl", "rewritten")
-    (docs / "f1.jsonl").unlink()
-    fourth = ingest(home, [docs], "grow", cfg, refs)
-    shutdown_ray()
     assert (first.samples, first.sources) == (6, {"new": 3, "changed": 0, "unchanged": 0, "removed": 0})
     assert (second.samples, second.sources) == (1, {"new": 1, "changed": 0, "unchanged": 3, "removed": 0})
     assert third.already_committed and third.sources["new"] == 0 and third.snapshot_id == second.snapshot_id
-    assert fourth.already_committed and fourth.sources == {"new": 0, "changed": 1, "unchanged": 2, "removed": 1}
-    rows = open_catalog(home, cfg).scan("grow", columns=("sample_id", "source")).to_pylist()
-    ids = [r["sample_id"] for r in rows]
-    assert len(ids) == len(set(ids)) == 7 and len(open_catalog(home, cfg).history("grow")) == 2
+    assert per_source() == {"f0.jsonl": 2, "f1.jsonl": 2, "f2.jsonl": 2, "f3.jsonl": 1}
+
+    write("f0.jsonl", "rewritten", "and grown", "by one record")
+    (docs / "f1.jsonl").unlink()
+    fourth = ingest(home, [docs], "grow", cfg, refs)
+    assert not fourth.already_committed and fourth.sources == {"new": 0, "changed": 1, "unchanged": 2, "removed": 1}
+    assert (fourth.samples, fourth.deleted_samples) == (3, 2)
+    assert per_source() == {"f0.jsonl": 3, "f1.jsonl": 2, "f2.jsonl": 2, "f3.jsonl": 1}  # f1 stays without sync
+    catalog = open_catalog(home, cfg)
+    f0 = catalog.scan("grow", where=f"source = '{docs / 'f0.jsonl'}'")
+    assert len(f0) == 3 and all(v == fourth.job_id for v in f0.column("job_id").to_pylist())
+
+    fifth = ingest(home, [docs], "grow", cfg, refs, sync=True)
+    assert (fifth.samples, fifth.deleted_samples, fifth.sources["removed"]) == (0, 2, 1)
+    assert per_source() == {"f0.jsonl": 3, "f2.jsonl": 2, "f3.jsonl": 1}
+    sixth = ingest(home, [docs], "grow", cfg, refs, sync=True)  # f1 left the index: nothing to do
+    shutdown_ray()
+    assert sixth.already_committed and sixth.sources == {"new": 0, "changed": 0, "unchanged": 3, "removed": 0}
+    assert len(open_catalog(home, cfg).history("grow")) == 4

@@ -174,7 +174,11 @@ def test_image_pool_worker_edge_cases(tmp_path, text_bundle):
     untrained.init_codebook(torch.rand(4, 3, 32, 32))
     visual = publish_bundle(untrained.eval(), tmp_path)
     vocab = VocabManifest.build(text_bundle.config["vocab_size"], visual_size=1024)
-    worker = ImagePoolWorker({"text": str(text_bundle.path), "visual": str(visual.path)}, vocab.to_dict())
+    # the quality filters are off: this test feeds a flat 8x400 strip (which they drop, see
+    # tests/test_filters.py) to check how the tokenizer lays out an extreme shape
+    no_filters = {"enabled": False}
+    worker = ImagePoolWorker({"text": str(text_bundle.path), "visual": str(visual.path)}, vocab.to_dict(),
+                             quality=no_filters)
 
     def batch(rows):
         cols = {name: [r.get(name) for r in rows] for name in RECORD_SCHEMA.names}
@@ -196,9 +200,16 @@ def test_image_pool_worker_edge_cases(tmp_path, text_bundle):
     assert out[0]["tokens"][-2:] == [vocab.specials["<eoi>"], vocab.eos_id], "no caption: <eoi> <eos>"
     assert out[1]["tokens"] is None and out[1]["error"].startswith("content is not an image")
     assert out[2]["error"] == "quarantined upstream" and out[2]["tokens"] is None
+    # with the default filters the same strip is valid input the pool marks as filtered, unencoded
+    default = ImagePoolWorker({"text": str(text_bundle.path), "visual": str(visual.path)}, vocab.to_dict())
+    marked = default(batch([{"sample_id": "thin", "payload": None, "blob": thin.getvalue(),
+                             "modality": "image"}])).to_pylist()[0]
+    assert (marked["filter"], marked["error"], marked["modality"]) == ("image.min_side", None, "image")
+    assert marked["tokens"] is None and marked["filter_reason"].startswith("smallest side 8 px")
 
     # ingest.text_first: that share of captioned images is laid out caption first (text -> image)
-    first = ImagePoolWorker({"text": str(text_bundle.path), "visual": str(visual.path)}, vocab.to_dict(), 1.0)
+    first = ImagePoolWorker({"text": str(text_bundle.path), "visual": str(visual.path)}, vocab.to_dict(), 1.0,
+                            quality=no_filters)
     row = {"sample_id": "c", "payload": "a thin grey bar", "blob": thin.getvalue(), "modality": "image"}
     out = first(batch([row])).to_pylist()[0]
     assert [s["modality"] for s in out["segments"]] == ["text", "image", "text"]

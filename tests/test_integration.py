@@ -5,8 +5,10 @@ import math
 import os
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -46,8 +48,9 @@ def test_demo_runs_end_to_end(demo_home):
     # images with captions beside text: 18 photos (4 of them through pairs.jsonl), 18 crops, 7 odd files
     assert s["modalities"]["image"]["samples"] == 43
     assert s["visual_tokenizer"].startswith("visual-") and s["visual_reused"] is False
-    # speech with transcripts: 8 files, 3 pairs; 6 tones/noises; 6 odd files
-    assert s["modalities"]["audio"]["samples"] == 23
+    # speech with transcripts: 8 files, 3 pairs; 6 tones/noises; 6 odd files, less odd/clipped.wav,
+    # which the audio.clipping filter drops (see test_every_good_record_is_committed_exactly_once)
+    assert s["modalities"]["audio"]["samples"] == 22
     assert s["audio_tokenizer"].startswith("audio-") and s["audio_reused"] is False
     assert s["steps"] == 30 and s["loss_last"] < s["loss_first"] - 0.3
     assert s["train_tokens_per_second"] > 0
@@ -94,14 +97,39 @@ def test_every_good_record_is_committed_exactly_once(demo_home):
     records = [r for f in files if f.modality not in sources.UNPOOLED
                for r in sources.parse_file(f.path, f.modality, Path(f.path).read_bytes())]
     parsed_ok = {r.sample_id: r for r in records if r.error is None}
-    committed = TokenCatalog(CatalogConfig(), home).scan("stdlib-docs", columns=("sample_id",))
+    catalog = TokenCatalog(CatalogConfig(), home)
+    committed = catalog.scan("stdlib-docs", columns=("sample_id",))
     ids = committed.column("sample_id").to_pylist()
     assert len(ids) == len(set(ids)) and set(ids) <= set(parsed_ok)
-    # what parsed but was not committed was quarantined by its pool (undecodable media), and
-    # every record is accounted for: committed + quarantined = all records
-    rejected_by_pools = [parsed_ok[i] for i in parsed_ok if i not in set(ids)]
+    # valid records the job did not keep: filtered (low quality) or duplicates of a kept sample
+    job = catalog.snapshot("stdlib-docs").tokenloom
+    filtered, duplicates = ([r for uri in json.loads(job[key]) for r in pq.read_table(uri.removeprefix("file://"))
+                             .to_pylist()] for key in ("filtered_files", "duplicates_files"))
+    assert [(Path(r["source"]).name, r["filter"]) for r in filtered] == [("clipped.wav", "audio.clipping")]
+
+    def normalized(text):
+        return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+    def shingles(text):
+        words = normalized(text).split(" ")
+        return {tuple(words[i:i + 5]) for i in range(max(1, len(words) - 4))}
+
+    for d in duplicates:  # each dropped record is a copy of a committed one, checked on the raw text
+        dup, kept = parsed_ok[d["sample_id"]], parsed_ok[d["duplicate_of"]]
+        assert d["duplicate_of"] in set(ids)
+        if d["kind"] == "exact":
+            assert normalized(dup.payload) == normalized(kept.payload)
+        else:
+            assert d["kind"] == "near-text"
+            a, b = shingles(dup.payload), shingles(kept.payload)
+            assert len(a & b) / len(a | b) > 0.6
+    # what parsed but was not kept otherwise was quarantined by its pool (undecodable media), and
+    # every record is accounted for: committed + quarantined + filtered + duplicates = all records
+    not_kept = {r["sample_id"] for r in filtered + duplicates}
+    rejected_by_pools = [parsed_ok[i] for i in parsed_ok if i not in set(ids) | not_kept]
     assert all("/bad/" in r.source for r in rejected_by_pools)
-    assert len(ids) + s["quarantined"] == len(records)
+    assert len(ids) + s["quarantined"] + len(filtered) + len(duplicates) == len(records)
+    assert (int(job["filtered"]), int(job["duplicates"])) == (len(filtered), len(duplicates))
 
 
 def test_training_resumes_exactly_from_its_checkpoint(demo_home):

@@ -194,6 +194,8 @@ def demo(home: HomeOpt = None, json_out: JsonOpt = False,
         ("samples", f"{summary['samples']:,}"),
         ("tokens", f"{summary['tokens']:,}"),
         ("quarantined inputs", f"{summary['quarantined']} ({reasons})"),
+        ("filtered (quality)", f"{summary['filtered']} ({_counts(summary['filter_counts'])})"),
+        ("duplicates dropped", f"{summary['duplicates']} ({_counts(summary['duplicate_counts'])})"),
         ("text tokenizer", summary["text_tokenizer"]),
         ("visual tokenizer", f"{summary['visual_tokenizer']} ("
                              f"{'reused' if summary['visual_reused'] else 'trained now'}; held-out PSNR "
@@ -370,6 +372,10 @@ def tokenizer_decode(
         console.print(f"text: {text}", highlight=False)
 
 
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "none"
+
+
 @app.command()
 @_user_errors
 def ingest(
@@ -384,8 +390,12 @@ def ingest(
     ray_address: Annotated[str | None, typer.Option("--ray-address", help="Ray cluster (default: local).")] = None,
     catalog_uri: CatalogUriOpt = None,
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value (repeatable).")] = None,
+    sync: Annotated[bool, typer.Option("--sync", help="Also delete the samples of ingested files that are gone "
+                                                      "from the input folders.")] = False,
 ):
-    """Tokenize inputs on the modality pools (Ray Data) and commit them as one snapshot."""
+    """Tokenize inputs on the modality pools (Ray Data) and commit them as one snapshot: new files
+    are tokenized, a changed file's samples are replaced in the same snapshot, unchanged files are
+    skipped."""
     from tokenloom.jobs.ingest import ingest as run_ingest
 
     home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
@@ -394,16 +404,19 @@ def ingest(
     cfg.ingest.ray.progress_bars = not json_out
     with _quiet_stdout(json_out):
         r = run_ingest(home_, paths, dataset, cfg, {"text": tokenizer, "visual": visual_tokenizer,
-                                                    "audio": audio_tokenizer})
+                                                    "audio": audio_tokenizer}, sync=sync)
     if json_out:
         return _emit_json(r)
     verb = "already committed as" if r.already_committed else "committed"
     console.print(f"[bold]{r.dataset}[/]: {verb} snapshot {r.snapshot_id} (job {r.job_id})")
     console.print(f"  samples {r.samples:,}  tokens {r.tokens:,}  quarantined {r.quarantined}"
                   + (f" {r.quarantine_reasons}" if r.quarantined else ""))
+    if r.filtered or r.duplicates:
+        console.print(f"  filtered {r.filtered} {r.filter_counts}  duplicates dropped {r.duplicates} {r.duplicate_counts}")
     if r.sources:
         console.print("  input files: " + ", ".join(f"{v} {k}" for k, v in r.sources.items())
-                      + (" (only new files are tokenized)" if r.sources.get("unchanged") else ""))
+                      + (" (only new and changed files are tokenized)" if r.sources.get("unchanged") else "")
+                      + (f"; {r.deleted_samples} old samples deleted" if r.deleted_samples else ""))
     for path, why in r.skipped_files:
         console.print(f"  skipped {path}: {why}")
 
@@ -434,8 +447,9 @@ def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help=
     if json_out:
         return _emit_json(s)
     t = Table(title=f"dataset {name}", show_header=False)
-    for key in ("snapshot_id", "tags", "samples", "tokens", "total_quarantined", "job_id", "job_samples", "job_tokens",
-                "quarantined", "quarantine_reasons", "data_files",
+    for key in ("snapshot_id", "tags", "samples", "tokens", "total_quarantined", "total_filtered", "total_duplicates",
+                "job_id", "job_samples", "job_tokens", "quarantined", "quarantine_reasons", "filtered", "filter_counts",
+                "duplicates", "duplicate_counts", "deleted_samples", "data_files",
                 "vocab_id", "bundle_ids", "sources_hash", "code_version"):
         t.add_row(key, str(s.get(key)))
     if len(s.get("vocab_history", [])) > 1:  # the manifest grew by appended ranges
@@ -504,12 +518,17 @@ def catalog_tag(name: str, tag: str, at: AtOpt = None, home: HomeOpt = None, jso
 @catalog_app.command("query")
 @_user_errors
 def catalog_query(sql: str, fmt: Annotated[str, typer.Option("--format", help="table, csv or json.")] = "table",
+                  at: Annotated[list[str] | None, typer.Option(
+                      "--at", help="SNAPSHOT|TAG (the one dataset that has it) or NAME=SNAPSHOT|TAG; repeatable. "
+                      "All of that dataset's tables are read at that snapshot.")] = None,
                   home: HomeOpt = None, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None):
-    """Read-only SQL (DuckDB) over the catalog; each dataset is a table of its current snapshot."""
+    """Read-only SQL (DuckDB) over the catalog. Each dataset NAME is a table of its samples; NAME.samples,
+    NAME.quarantine, NAME.filtered, NAME.duplicates and NAME.sources are its tables at the same snapshot
+    (quote a name with dashes: "my-data".quarantine)."""
     home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
     if fmt not in ("table", "csv", "json"):
         raise ValueError(f"--format must be table, csv or json, got {fmt!r}")
-    result = catalog_jobs.query(home_, cfg, sql)
+    result = catalog_jobs.query(home_, cfg, sql, at)
     if fmt == "csv":
         import pyarrow.csv as pacsv
 
@@ -526,6 +545,54 @@ def catalog_query(sql: str, fmt: Annotated[str, typer.Option("--format", help="t
     console.print(t)
     if len(rows) > 200:
         console.print(f"... {len(rows) - 200} more rows (use --format csv)")
+
+
+@catalog_app.command("diff")
+@_user_errors
+def catalog_diff(name: str, a: Annotated[str, typer.Argument(help="Snapshot id or tag to compare from.")],
+                 b: Annotated[str, typer.Argument(help="Snapshot id or tag to compare to.")],
+                 home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
+                 catalog_uri: CatalogUriOpt = None):
+    """What snapshot B holds that A does not and the reverse: samples per modality mix, sources."""
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    d = catalog_jobs.diff(home_, cfg, name, a, b)
+    if json_out:
+        return _emit_json(d)
+    sm, src = d["samples"], d["sources"]
+    console.print(f"[bold]{name}[/] {d['from_snapshot']} -> {d['to_snapshot']}: samples +{sm['added']:,} "
+                  f"-{sm['removed']:,}; sources +{len(src['added'])} -{len(src['removed'])} "
+                  f"~{len(src['changed'])}")
+    t = Table("modalities", "added", "removed")
+    for mix, counts in sm["by_modalities"].items():
+        t.add_row(mix, f"{counts['added']:,}", f"{counts['removed']:,}")
+    console.print(t)
+    s = Table("source", "change")
+    for what in ("added", "removed", "changed"):
+        for path in src[what]:
+            s.add_row(path, what)
+    if s.row_count:
+        console.print(s)
+
+
+@catalog_app.command("expire")
+@_user_errors
+def catalog_expire(name: str,
+                   older_than: Annotated[float, typer.Option("--older-than", help="Expire snapshots committed more "
+                                                             "than this many hours ago.")],
+                   retain_last: Annotated[int, typer.Option("--retain-last", help="Always keep the N newest "
+                                                            "snapshots.")] = 1,
+                   dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+                   home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
+                   catalog_uri: CatalogUriOpt = None):
+    """Expire old snapshots (never the current or a tagged one); totals, lineage and the source index
+    stay exact. Run `catalog gc` afterwards to delete the files only they needed."""
+    home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
+    r = catalog_jobs.expire(home_, cfg, name, older_than * 3600, retain_last, dry_run)
+    if json_out:
+        return _emit_json(r)
+    verb = "would expire" if dry_run else "expired"
+    console.print(f"{name}: {verb} {len(r.expired)} snapshots, kept {len(r.kept)}"
+                  + (f" ({', '.join(map(str, r.expired))})" if r.expired else ""))
 
 
 @catalog_app.command("verify")
@@ -553,14 +620,16 @@ def catalog_gc(name: Annotated[str | None, typer.Argument(help="Dataset (default
                dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
                home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
                catalog_uri: CatalogUriOpt = None):
-    """Delete data files no snapshot references (left by jobs that died before committing)."""
+    """Delete files no live snapshot needs: data files left by jobs that died before committing or
+    needed only by expired snapshots, and unused manifests and metadata files."""
     home_, cfg = _setup(home, config, catalog_uri=catalog_uri)
     reports = catalog_jobs.gc(home_, cfg, name, older_than * 3600, dry_run)
     if json_out:
         return _emit_json(reports)
     for r in reports:
         verb = "would delete" if dry_run else "deleted"
-        console.print(f"{r.dataset}: {verb} {len(r.deleted)} unreferenced files, kept {len(r.kept_recent)} younger "
+        console.print(f"{r.dataset}: {verb} {len(r.deleted)} unreferenced data files and "
+                      f"{len(r.deleted_metadata)} metadata files, kept {len(r.kept_recent)} younger "
                       f"than {older_than} h, {r.referenced} referenced")
 
 
@@ -570,18 +639,23 @@ def train(
     dataset: Annotated[str, typer.Option("--dataset")],
     at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
     steps: Annotated[int | None, typer.Option("--steps")] = None,
-    resume: Annotated[Path | None, typer.Option("--resume", help="Checkpoint folder to continue from.")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="Run folder name under home/runs (default: "
+                                            "DATASET-TIME-ID, or the resumed run's).")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="Continue a run from its newest complete "
+                                               "checkpoint: a run name, a run folder or a checkpoint folder.")] = None,
     home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None,
     overrides: OverridesArg = None,
 ):
-    """Train the model on a catalog snapshot, streaming its shards (DeepSpeed, ZeRO-1)."""
+    """Train the model on a catalog snapshot, streaming its shards (DeepSpeed, ZeRO-1); checkpoints
+    every train.checkpoint_every steps (atomically; the newest train.keep_last are kept)."""
     from tokenloom.jobs import train as jobs
 
     home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
     if steps is not None:
         cfg.train.steps = steps
     with _quiet_stdout(json_out):
-        snapshot_id, r = jobs.train(home_, dataset, cfg, at=at, progress=not json_out, resume_from=resume)
+        snapshot_id, r = jobs.train(home_, dataset, cfg, at=at, progress=not json_out, run_name=run,
+                                    resume_from=resume, refuse_existing=True)
         rank = jobs.leave_process_group()
     if rank != 0:  # one report per run, from rank 0
         return
@@ -590,6 +664,8 @@ def train(
         return _emit_json(doc)
     console.print(f"trained {r.steps} steps on {dataset}@{snapshot_id}: loss {r.first_loss:.3f} -> {r.last_loss:.3f}, "
                   f"{r.tokens_per_second:,.0f} tokens/s; outputs in {r.run_dir}")
+    if r.checkpoint:
+        console.print(f"checkpoint: {r.checkpoint}")
     per = ", ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in r.modality_loss.items() if v is not None)
     console.print(f"final loss per modality: {per}; model in {r.model_dir}")
 

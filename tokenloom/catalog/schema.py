@@ -36,6 +36,9 @@ SHARD_SCHEMA = pa.schema(
         pa.field("vocab_id", pa.string()),
         pa.field("bundle_ids", pa.list_(pa.string())),
         pa.field("job_id", pa.string()),
+        # hash of the sample's normalized content (text, decoded pixels, decoded samples): the
+        # dataset's exact-duplicate index; null in files written before it existed
+        pa.field("content_hash", pa.string()),
     ]
 )
 
@@ -47,6 +50,51 @@ QUARANTINE_SCHEMA = pa.schema(
         pa.field("job_id", pa.string()),
     ]
 )
+
+
+# Valid records a quality filter dropped (not quarantined: the input was fine, it was not wanted).
+FILTERED_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string()),
+        pa.field("source", pa.string()),
+        pa.field("record", pa.string()),
+        pa.field("modality", pa.string()),
+        pa.field("filter", pa.string()),  # the filter's name, e.g. "text.min_chars"
+        pa.field("reason", pa.string()),  # e.g. "12 characters < min_chars 50"
+        pa.field("job_id", pa.string()),
+    ]
+)
+
+# Samples dropped as duplicates, each with the sample it duplicates (kept in this dataset).
+DUPLICATES_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string()),
+        pa.field("source", pa.string()),
+        pa.field("record", pa.string()),
+        pa.field("modality", pa.string()),
+        pa.field("duplicate_of", pa.string()),  # sample_id of the kept sample
+        pa.field("kind", pa.string()),  # "exact", "near-text", "near-image"
+        pa.field("similarity", pa.float64()),  # 1.0 for exact; estimated Jaccard or 1 - hamming/bits
+        pa.field("reason", pa.string()),
+        pa.field("job_id", pa.string()),
+    ]
+)
+
+# A job's dedup signatures of the samples it kept (`signatures_file`): later jobs of the dataset
+# find near-duplicates of these without recomputing them.
+SIGNATURES_SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string()),
+        pa.field("modality", pa.string()),
+        pa.field("minhash", pa.list_(pa.uint32())),  # text: MinHash of word shingles, else null
+        pa.field("phash", pa.uint64()),  # image: 64-bit perceptual hash, else null
+    ]
+)
+
+# Side-file lists a job's snapshot summary may name (JSON lists of Parquet URIs, one schema each).
+SIDE_TABLES = {"quarantine": ("quarantine_files", QUARANTINE_SCHEMA),
+               "filtered": ("filtered_files", FILTERED_SCHEMA),
+               "duplicates": ("duplicates_files", DUPLICATES_SCHEMA)}
 
 
 def validate_shard_rows(table: pa.Table, vocab_size: int) -> list[str | None]:

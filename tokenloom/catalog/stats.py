@@ -2,9 +2,10 @@
 
 Each write task summarizes its rows (per-modality token and sample counts, a histogram of
 sequence lengths in power-of-two bins); the driver merges the task summaries into the job's,
-which the commit stores in its snapshot. Tables are append-only, so a snapshot's totals are
-the merge of the job statistics along its ancestry: exact without reading a data file, and
-independent of the order in which concurrent writers landed.
+which the commit stores in its snapshot. A snapshot's totals are the merge of the job
+statistics along its ancestry, less the statistics of the rows jobs deleted (a changed file's
+old samples, `catalog/replace.py`): exact without reading a data file, and independent of the
+order in which concurrent writers landed.
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def merge_stats(*parts: dict) -> dict:
             mine["tokens"] += m["tokens"]
             mine["samples"] += m["samples"]
     out["modalities"] = dict(sorted(out["modalities"].items()))
+    return out
+
+
+def subtract_stats(total: dict, removed: dict) -> dict:
+    """`total` less the statistics of rows deleted from it (exact: both were computed from rows)."""
+    out = merge_stats(total)
+    out["samples"] -= removed["samples"]
+    out["tokens"] -= removed["tokens"]
+    out["length_hist"] = [a - b for a, b in zip(out["length_hist"], removed["length_hist"], strict=True)]
+    for name, m in removed["modalities"].items():
+        mine = out["modalities"][name]
+        mine["tokens"] -= m["tokens"]
+        mine["samples"] -= m["samples"]
+        if mine["samples"] == 0 and mine["tokens"] == 0:
+            del out["modalities"][name]
     return out
 
 

@@ -29,9 +29,13 @@ from pyiceberg.exceptions import (
 
 from tokenloom.catalog.names import check_name
 from tokenloom.catalog.schema import SHARD_SCHEMA
-from tokenloom.catalog.stats import empty_stats, merge_stats
+from tokenloom.catalog.stats import empty_stats, merge_stats, subtract_stats
+from tokenloom.catalog.uris import filesystem_and_path
 
 PROP = "tokenloom."  # prefix of our snapshot-summary properties
+# Table property naming the JSON file that keeps expired snapshots' summaries (catalog/maintenance.expire):
+# the ancestry, totals, source index and side tables of the snapshots that remain read through it.
+ARCHIVE_PROPERTY = PROP + "archive"
 # One ingestion job is one append; merging small manifests at commit keeps scan planning from
 # reading one manifest per job forever (measured in bench/bench_catalog.py).
 TABLE_PROPERTIES = {"commit.manifest-merge.enabled": "true", "commit.manifest.min-count-to-merge": "8"}
@@ -113,7 +117,7 @@ class TokenCatalog:
         try:
             table = self._catalog.create_table(self._ident(name), schema=SHARD_SCHEMA, properties=TABLE_PROPERTIES)
         except TableAlreadyExistsError:
-            return self._catalog.load_table(self._ident(name))
+            return self._evolve(self._catalog.load_table(self._ident(name)))
         # partitioned by modality mix: text-only training skips image and audio files at planning
         try:
             with table.update_spec() as spec:
@@ -121,6 +125,19 @@ class TokenCatalog:
         except CommitFailedException:  # another writer created and partitioned it at the same time
             pass
         return self._catalog.load_table(self._ident(name))
+
+    def _evolve(self, table):
+        """Add the shard columns a table made by an older version lacks (Iceberg schema
+        evolution: old files read them as null), so today's files can be added to it."""
+        have = {f.name for f in table.schema().fields}
+        if all(f.name in have for f in SHARD_SCHEMA):
+            return table
+        try:
+            with table.update_schema() as update:
+                update.union_by_name(SHARD_SCHEMA)
+        except CommitFailedException:  # another writer evolved it at the same time
+            pass
+        return self._catalog.load_table(table.name())
 
     def data_location(self, name: str, job_id: str) -> str:
         """Where a job writes its Parquet files before they are committed."""
@@ -160,13 +177,33 @@ class TokenCatalog:
         raise DatasetNotFound(f"dataset {name!r} has no snapshot {at}; see `tokenloom catalog history {name}`")
 
     def ancestry(self, name: str, snap: SnapshotInfo) -> list[SnapshotInfo]:
-        """`snap` and the snapshots it was built on, oldest first: what the table holds at `snap`."""
-        by_id = {s.snapshot_id: s for s in self.history(name)}
+        """`snap` and the snapshots it was built on, oldest first: what the table holds at `snap`.
+        Expired ancestors take part through their archived summaries (see `archived`)."""
+        table = self.table(name)
+        archived, lost_parents = self.archived(name, table)
+        by_id = archived | {s.snapshot_id: s for s in self.history(name, table)}
         chain, cursor = [], snap
         while cursor is not None:
             chain.append(cursor)
-            cursor = by_id.get(cursor.parent_id) if cursor.parent_id is not None else None
+            parent = cursor.parent_id if cursor.parent_id is not None else lost_parents.get(cursor.snapshot_id)
+            cursor = by_id.get(parent) if parent is not None else None
         return chain[::-1]
+
+    def archived(self, name: str, table=None) -> tuple[dict[int, SnapshotInfo], dict[int, int]]:
+        """(expired snapshot id -> its summary as it was, live snapshot id -> the parent it had
+        before that parent expired): pyiceberg drops expired snapshots and clears their children's
+        parent links, so `catalog expire` keeps both in the file the table property names."""
+        table = table or self.table(name)
+        uri = table.properties.get(ARCHIVE_PROPERTY)
+        if not uri:
+            return {}, {}
+        filesystem, path = filesystem_and_path(uri)
+        with filesystem.open_input_stream(path) as f:
+            doc = json.loads(f.read())
+        snaps = {int(s["snapshot_id"]): SnapshotInfo(int(s["snapshot_id"]), int(s["timestamp_ms"]), s["operation"],
+                                                     dict(s["properties"]), s.get("parent_id"))
+                 for s in doc["snapshots"]}
+        return snaps, {int(child): int(parent) for child, parent in doc["lost_parents"].items()}
 
     def tags(self, name: str) -> dict[str, int]:
         refs = self.table(name).metadata.refs
@@ -189,19 +226,31 @@ class TokenCatalog:
         return self._catalog.table_exists(self._ident(name))
 
     def find_job(self, name: str, job_id: str) -> SnapshotInfo | None:
+        """The snapshot that committed `job_id`: a live one, or one `catalog expire` archived (its
+        rows are still in the table, so the job stays done)."""
         if not self.exists(name):
             return None
-        for snap in self.history(name):
+        table = self.table(name)
+        for snap in self.history(name, table):
+            if snap.tokenloom.get("job_id") == job_id:
+                return snap
+        for snap in self.archived(name, table)[0].values():
             if snap.tokenloom.get("job_id") == job_id:
                 return snap
         return None
 
     def commit_job(self, name: str, job_id: str, files: list[str], properties: dict[str, object],
-                   stats: dict | None = None, attempts: int = 20) -> SnapshotInfo:
+                   stats: dict | None = None, attempts: int = 20,
+                   delete_sources: list[str] | tuple[str, ...] = ()) -> SnapshotInfo:
         """Commit a job's data files as one snapshot, exactly once.
 
+        `delete_sources`: input files whose existing rows the same snapshot deletes (a changed
+        file's old samples, or files removed under `--sync`): the data files holding them are
+        rewritten without them (`catalog/replace.py`) and swapped in one overwrite snapshot, whose
+        summary records the deleted rows' statistics (`removed_stats`) for the totals.
         A job already committed is not committed again. On a conflict with another writer the
-        commit is retried on the refreshed table (with jittered back-off).
+        commit is retried on the refreshed table (with jittered back-off; the rewrite is planned
+        again, against the table as it then is).
         """
         for attempt in range(attempts):
             existing = self.find_job(name, job_id)
@@ -214,7 +263,10 @@ class TokenCatalog:
             props.update({PROP + k: v if isinstance(v, str) else json.dumps(v) for k, v in properties.items()})
             props[PROP + "stats"] = json.dumps(stats or empty_stats())
             try:
-                table.add_files(file_paths=list(files), snapshot_properties=props)
+                if delete_sources:
+                    self._replace(table, job_id, list(files), props, delete_sources)
+                else:
+                    table.add_files(file_paths=list(files), snapshot_properties=props)
             except CommitFailedException:
                 if attempt == attempts - 1:
                     raise
@@ -224,6 +276,29 @@ class TokenCatalog:
             if committed is not None:
                 return committed
         raise RuntimeError(f"commit of job {job_id} to {name!r} did not land after {attempts} attempts")
+
+    def _replace(self, table, job_id: str, files: list[str], props: dict[str, str], delete_sources) -> None:
+        """One overwrite snapshot: the job's files in, `delete_sources`' rows out (copy-on-write)."""
+        from pyiceberg.io.pyarrow import parquet_file_to_data_file
+
+        from tokenloom.catalog.replace import rewrite_without_sources
+
+        location = f"{table.metadata.location}/data/{check_name(job_id, 'job id')}"
+        plan = rewrite_without_sources(table, table.metadata.current_snapshot_id, delete_sources, location)
+        props = props | {PROP + "removed_stats": json.dumps(plan.removed_stats),
+                         PROP + "removed_samples": str(len(plan.removed_samples)),
+                         PROP + "deleted_sources": json.dumps(sorted(set(delete_sources)))}
+        if plan.checksums_file:
+            props[PROP + "rewrite_checksums_file"] = plan.checksums_file
+        with table.transaction() as tx:
+            if tx.table_metadata.name_mapping() is None:
+                tx.set_properties(**{"schema.name-mapping.default":
+                                     tx.table_metadata.schema().name_mapping.model_dump_json()})
+            with tx.update_snapshot(snapshot_properties=props).overwrite() as overwrite:
+                for data_file in plan.dropped:
+                    overwrite.delete_data_file(data_file)
+                for path in plan.added + files:
+                    overwrite.append_data_file(parquet_file_to_data_file(table.io, tx.table_metadata, path))
 
     # -- reads ----------------------------------------------------------------------------
     def data_files(self, name: str, at: str | int | None = None) -> list[DataFile]:
@@ -247,14 +322,24 @@ class TokenCatalog:
         return table.scan(snapshot_id=snap.snapshot_id, selected_fields=columns, **kwargs).to_arrow()
 
     def referenced_files(self, name: str) -> set[str]:
-        """Every file any snapshot still needs: data files plus the jobs' side files."""
+        """Every file any snapshot still needs: data files of the live snapshots, plus the side
+        files of every job in the dataset's history (expired snapshots' included: the source
+        index and side tables of the snapshots that remain still read them) and the archive."""
         table = self.table(name)
         keep: set[str] = set()
-        for snap in self.history(name):
+        live = self.history(name, table)
+        archived, _ = self.archived(name, table)
+        if table.properties.get(ARCHIVE_PROPERTY):
+            keep.add(table.properties[ARCHIVE_PROPERTY])
+        for snap in live:
             keep.update(t.file.file_path for t in table.scan(snapshot_id=snap.snapshot_id).plan_files())
+        for snap in [*live, *archived.values()]:
             tl = snap.tokenloom
-            keep.update(json.loads(tl.get("quarantine_files", "[]")))
-            keep.update(v for k, v in tl.items() if k.endswith("_file") and v)
+            for key, value in tl.items():  # side files: one (`*_file`) or a JSON list (`*_files`)
+                if key.endswith("_file") and value:
+                    keep.add(value)
+                elif key.endswith("_files") and value:
+                    keep.update(json.loads(value))
         return keep
 
     def summary(self, name: str, at: str | int | None = None) -> dict:
@@ -267,7 +352,10 @@ class TokenCatalog:
                           "job_id": None, "job_samples": 0, "job_tokens": 0}
         tl = snap.tokenloom
         chain = self.ancestry(name, snap)
-        totals = merge_stats(*(json.loads(s.tokenloom.get("stats", "null")) or empty_stats() for s in chain))
+        # rows a job deleted (replaced or removed sources) leave the totals with their statistics
+        totals = subtract_stats(
+            merge_stats(*(json.loads(s.tokenloom.get("stats", "null")) or empty_stats() for s in chain)),
+            merge_stats(*(json.loads(s.tokenloom.get("removed_stats", "null")) or empty_stats() for s in chain)))
         out |= {
             "snapshot_id": snap.snapshot_id,
             "timestamp_ms": snap.timestamp_ms,
@@ -279,6 +367,14 @@ class TokenCatalog:
             "quarantined": int(tl.get("quarantined", 0)),
             "total_quarantined": sum(int(s.tokenloom.get("quarantined", 0)) for s in chain),
             "quarantine_reasons": json.loads(tl.get("quarantine_reasons", "{}")),
+            # valid records the job's quality filters dropped, and samples dropped as duplicates
+            "filtered": int(tl.get("filtered", 0)),
+            "filter_counts": json.loads(tl.get("filter_counts", "{}")),
+            "total_filtered": sum(int(s.tokenloom.get("filtered", 0)) for s in chain),
+            "duplicates": int(tl.get("duplicates", 0)),
+            "duplicate_counts": json.loads(tl.get("duplicate_counts", "{}")),
+            "total_duplicates": sum(int(s.tokenloom.get("duplicates", 0)) for s in chain),
+            "deleted_samples": int(tl.get("removed_samples", 0)),
             "quarantine_files": json.loads(tl.get("quarantine_files", "[]")),
             "data_files": int(snap.properties.get("total-data-files", 0)),
             "vocab_id": tl.get("vocab_id"),

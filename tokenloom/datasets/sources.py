@@ -209,12 +209,26 @@ def pair_references(path: Path, kind: str) -> list[Path]:
     return out
 
 
-def manifest_hash(sources: Iterable[SourceFile]) -> str:
-    """Hash of which inputs a job read (path, size, mtime): part of its lineage and id."""
-    digest = hashlib.sha256()
-    for src in sorted(sources, key=lambda s: s.path):
-        digest.update(f"{src.path}\0{src.size}\0{src.mtime_ns}\n".encode())
-    return digest.hexdigest()[:16]
+def readers_of(files: Iterable[SourceFile], paths: Iterable[str]) -> set[str]:
+    """The pooled files whose samples read any of `paths` besides themselves: the image or audio
+    file of a caption/transcript sidecar (same folder and stem, present or gone), and the pairs
+    files naming a referenced media file. When such a path changes, appears or disappears, these
+    are the samples to rebuild."""
+    wanted = set(paths)
+    if not wanted:
+        return set()
+    out: set[str] = set()
+    stems = {(str(Path(p).parent), Path(p).stem) for p in wanted if Path(p).suffix.lower() in images.CAPTION_SUFFIXES}
+    for f in files:
+        if f.modality not in MEDIA_KEYS:
+            continue
+        path = Path(f.path)
+        if path.suffix.lower() == ".jsonl":
+            if any(str(t) in wanted for t in pair_references(path, f.modality)):
+                out.add(f.path)
+        elif (str(path.parent), path.stem) in stems:
+            out.add(f.path)
+    return out
 
 
 def _sniff_binary(data: bytes) -> str | None:

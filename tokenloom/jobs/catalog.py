@@ -1,4 +1,4 @@
-"""Catalog jobs: list, show, history, stats, tag, query, verify and gc, over `catalog/`."""
+"""Catalog jobs: list, show, history, stats, tag, query, diff, verify, expire and gc, over `catalog/`."""
 
 from __future__ import annotations
 
@@ -47,16 +47,31 @@ def tag(home: Home, cfg, dataset: str, name: str, at: str | None = None) -> dict
     return {"dataset": dataset, "tag": name, "snapshot_id": snapshot_id}
 
 
-def query(home: Home, cfg, sql: str):
+def query(home: Home, cfg, sql: str, at: list[str] | None = None):
+    """`at`: `--at` values, `SNAPSHOT|TAG` (the one dataset that has it) or `NAME=SNAPSHOT|TAG`."""
     from tokenloom.catalog.query import query as run_query
+    from tokenloom.catalog.query import resolve_at
 
-    return run_query(open_catalog(home, cfg), sql)
+    catalog = open_catalog(home, cfg)
+    return run_query(catalog, sql, resolve_at(catalog, at or []))
+
+
+def diff(home: Home, cfg, dataset: str, a: str, b: str) -> dict:
+    from tokenloom.catalog.diff import snapshot_diff
+
+    return snapshot_diff(open_catalog(home, cfg), dataset, a, b)
 
 
 def verify(home: Home, cfg, dataset: str, at: str | None = None):
     from tokenloom.catalog.maintenance import verify as run_verify
 
     return run_verify(open_catalog(home, cfg), dataset, at)
+
+
+def expire(home: Home, cfg, dataset: str, older_than_s: float, retain_last: int = 1, dry_run: bool = False):
+    from tokenloom.catalog.maintenance import expire as run_expire
+
+    return run_expire(open_catalog(home, cfg), dataset, older_than_s, retain_last, dry_run)
 
 
 def gc(home: Home, cfg, dataset: str | None, older_than_s: float, dry_run: bool = False) -> list:

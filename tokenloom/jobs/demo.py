@@ -82,6 +82,8 @@ def demo(home: Home, cfg: RunConfig, progress: bool = True) -> dict:
         "dataset": result.dataset, "snapshot_id": snapshot_id, "job_id": result.job_id,
         "already_committed": result.already_committed, "samples": result.samples, "tokens": result.tokens,
         "quarantined": result.quarantined, "quarantine_reasons": result.quarantine_reasons,
+        "filtered": result.filtered, "filter_counts": result.filter_counts,
+        "duplicates": result.duplicates, "duplicate_counts": result.duplicate_counts,
         "text_tokenizer": text_bundle.id,
         **{f"{kind}_{key}": value for kind, doc in media.items()
            for key, value in (("tokenizer", doc["bundle_id"]), ("reused", doc["reused"]), ("heldout", doc["heldout"]))},

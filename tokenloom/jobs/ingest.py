@@ -22,9 +22,11 @@ from tokenloom.tokenizers.vocab import VocabManifest, manifest_from_bundles
 MEDIA_BUNDLE = {"image": "visual", "audio": "audio"}  # modality of the inputs -> tokenizer kind it needs
 
 
-def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg, bundle_refs: dict[str, str | None] | None = None):
+def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg, bundle_refs: dict[str, str | None] | None = None,
+           sync: bool = False):
     """Tokenize `inputs` into `dataset`; `bundle_refs` maps kind ("text", "visual", "audio") to an
-    id, a path or "latest" (missing or None: latest)."""
+    id, a path or "latest" (missing or None: latest). `sync`: also delete the samples of indexed
+    files that are gone from the input folders."""
     from tokenloom.platform.ingest import run_ingest  # Ray is imported only by jobs that use it
 
     refs = bundle_refs or {}
@@ -37,7 +39,7 @@ def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg, bundle_r
     vocab = dataset_vocabulary(home, catalog, dataset, infos)
     vocab.save(home.vocab)
     return run_ingest(inputs, dataset, catalog, vocab, {k: str(i.path) for k, i in infos.items()}, cfg.ingest,
-                      lineage={"code_version": code_version()})
+                      lineage={"code_version": code_version()}, sync=sync)
 
 
 def dataset_vocabulary(home: Home, catalog, dataset: str, infos: dict) -> VocabManifest:

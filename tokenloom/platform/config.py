@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenloom.datasets.filters import FilterConfig
+
 
 @dataclass
 class PoolConfig:
@@ -20,6 +22,9 @@ class PoolConfig:
     min_actors: int = 2  # measured: starting both actors at once beats scaling up from one
     max_actors: int = 2
     batch_size: int = 64
+    # a job with less input than this runs the pool as Ray tasks on reusable worker processes
+    # instead of starting actors (platform/pools.py); 0: always actors
+    task_below_bytes: int = 4 << 20
 
     def validate(self, modality: str) -> None:
         if not 1 <= self.min_actors <= self.max_actors:
@@ -36,6 +41,36 @@ class RayConfig:
     num_cpus: int = 0  # local only; 0 = all cores
     object_store_mb: int = 512  # local only: small machines need a bound
     progress_bars: bool = True
+
+
+@dataclass
+class DedupConfig:
+    """`[ingest.dedup]`: which duplicates a job drops, within itself and against its dataset."""
+
+    enabled: bool = True
+    exact: bool = True  # same content hash of the normalized record
+    near_text: bool = True  # MinHash LSH over word shingles
+    near_image: bool = True  # perceptual hash within a Hamming distance
+    minhash_threshold: float = 0.8  # estimated Jaccard of the shingle sets at or above which text is a duplicate
+    shingle_size: int = 5  # words per shingle; a shorter document is one shingle
+    num_perm: int = 128
+    # phash bits that may differ (of 64). Measured on the 18 sample photos: a JPEG re-encode, a
+    # 0.8x resize or a 15% brightening differs by <= 4 bits (10 for the saturated colour wheel
+    # brightened); distinct photos, their 3/4 crops and the odd files differ by >= 18
+    phash_threshold: int = 12
+    text: bool = True  # per-modality switches
+    image: bool = True
+    audio: bool = True
+
+    def validate(self) -> None:
+        if not 0.0 < self.minhash_threshold <= 1.0:
+            raise ValueError(f"ingest.dedup.minhash_threshold must be in (0, 1], got {self.minhash_threshold}")
+        if not 0 <= self.phash_threshold <= 64:
+            raise ValueError(f"ingest.dedup.phash_threshold is a Hamming distance of 64-bit hashes: 0..64, "
+                             f"got {self.phash_threshold}")
+        if self.shingle_size < 1 or self.num_perm < 16:
+            raise ValueError(f"ingest.dedup: need shingle_size >= 1 and num_perm >= 16, got "
+                             f"{self.shingle_size} and {self.num_perm}")
 
 
 @dataclass
@@ -57,10 +92,14 @@ class IngestConfig:
     # the former, captioning and transcription from the latter. Chosen per sample by a hash of its
     # id, so a sample's layout never changes between runs.
     text_first: float = 0.5
+    filters: FilterConfig = field(default_factory=FilterConfig)  # quality filters (datasets/filters.py)
+    dedup: DedupConfig = field(default_factory=DedupConfig)  # platform/dedup.py
 
     def validate(self) -> None:
         if not 0.0 <= self.text_first <= 1.0:
             raise ValueError(f"ingest.text_first must be in [0, 1], got {self.text_first}")
+        self.filters.validate()
+        self.dedup.validate()
 
     def pool(self, modality: str) -> PoolConfig:
         if modality not in self.pools:

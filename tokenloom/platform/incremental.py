@@ -7,13 +7,17 @@ inputs against it:
 
     new        a path the dataset never read: tokenized by this job
     unchanged  same path, same content (same size and mtime, or the same hash after a touch)
-    changed    same path, other content: reported, not re-ingested (replacing a file's samples
-               needs a row-level delete in the same snapshot; not built yet, see issue 14)
-    removed    an indexed path under one of the job's input folders that is gone: reported;
-               its samples stay
+    changed    same path, other content: tokenized again, and its old samples deleted in the
+               same snapshot (copy-on-write, `catalog/replace.py`)
+    removed    an indexed path under one of the job's input folders that is gone: reported, and
+               its samples kept, unless the job runs with `sync` (then they are deleted and the
+               path leaves the index through a tombstone entry)
 
-So adding one file to a folder and ingesting the folder again tokenizes that one file, and
-re-running the same inputs tokenizes nothing (the job is a no-op, as before).
+A caption or transcript sidecar, or a media file a pairs file names, has no samples of its own:
+when it changes, appears or goes, the samples that read it are rebuilt (`sources.readers_of`).
+So adding one file to a folder and ingesting the folder again tokenizes that one file, editing
+one file replaces exactly its samples, and re-running the same inputs tokenizes nothing (the job
+is a no-op, as before).
 """
 
 from __future__ import annotations
@@ -23,9 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenloom.catalog.maintenance import read_json
-from tokenloom.catalog.store import TokenCatalog
-from tokenloom.datasets.sources import SourceFile
+from tokenloom.datasets.sources import UNPOOLED, SourceFile, readers_of
 
 
 def content_hash(path: str) -> str:
@@ -39,22 +41,6 @@ def content_hash(path: str) -> str:
 def source_entry(f: SourceFile, sha256: str | None = None) -> dict:
     """What a job records of an input it read."""
     return {"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns, "sha256": sha256 or content_hash(f.path)}
-
-
-def source_index(catalog: TokenCatalog, dataset: str) -> dict[str, dict]:
-    """path -> the latest entry any job of the current snapshot's ancestry recorded for it."""
-    if not catalog.exists(dataset):
-        return {}
-    snap = catalog.snapshot(dataset)
-    if snap is None:
-        return {}
-    index: dict[str, dict] = {}
-    for s in catalog.ancestry(dataset, snap):
-        side = s.tokenloom.get("sources_file")
-        if side:
-            for entry in read_json(side):
-                index[entry["path"]] = entry
-    return index
 
 
 @dataclass
@@ -89,3 +75,36 @@ def classify(files: Sequence[SourceFile], index: dict[str, dict], roots: Sequenc
         if path not in seen and any(path == root or path.startswith(root.rstrip("/") + "/") for root in folders):
             out.removed.append(path)
     return out
+
+
+@dataclass
+class IncrementalPlan:
+    """What a job does with its inputs: which files to tokenize, whose samples to delete in its
+    snapshot, and the source-index entries it records."""
+
+    tokenize: list[SourceFile]
+    delete_sources: list[str]
+    entries: list[dict]
+
+    @property
+    def empty(self) -> bool:
+        return not self.tokenize and not self.delete_sources
+
+
+def plan(files: Sequence[SourceFile], changes: SourceChanges, sync: bool = False) -> IncrementalPlan:
+    """Turn a classification into work: new and changed files are tokenized; a changed file's old
+    samples are deleted; so are removed files' under `sync`; samples that read a sidecar or a
+    referenced file which changed, appeared or went are rebuilt."""
+    by_path = {f.path: f for f in files}
+    touched_unpooled = [f.path for f in changes.new + changes.changed if f.modality in UNPOOLED] + changes.removed
+    rebuilt = {p for p in readers_of(files, touched_unpooled)} - {f.path for f in changes.new}
+    changed = {f.path for f in changes.changed if f.modality not in UNPOOLED} | rebuilt
+    tokenize = sorted([f for f in changes.new if f.modality not in UNPOOLED] + [by_path[p] for p in changed],
+                      key=lambda f: f.path)
+    deleted = set(changed) | (set(changes.removed) if sync else set())
+    touched = [f for f in changes.unchanged if f.path in changes.hashes]  # same content, new mtime
+    recorded = {f.path: f for f in changes.new + changes.changed + touched + [by_path[p] for p in rebuilt]}
+    entries = [source_entry(f, changes.hashes.get(f.path)) for f in sorted(recorded.values(), key=lambda f: f.path)]
+    if sync:
+        entries += [{"path": p, "removed": True} for p in changes.removed]
+    return IncrementalPlan(tokenize, sorted(deleted), entries)

@@ -16,18 +16,21 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import ray
 
 from tokenloom.catalog.maintenance import write_json
+from tokenloom.catalog.sources import source_index
 from tokenloom.catalog.store import TokenCatalog
 from tokenloom.datasets import sources
 from tokenloom.platform.config import IngestConfig
-from tokenloom.platform.incremental import classify, source_entry, source_index
-from tokenloom.platform.sink import ShardSink
+from tokenloom.platform.dedup import deduplicate, existing_keys
+from tokenloom.platform.incremental import classify, plan
+from tokenloom.platform.pools import pool_stage
+from tokenloom.platform.sink import ShardSink, TaskOutput
 from tokenloom.platform.workers import WORKERS
 from tokenloom.tokenizers.vocab import VocabManifest
 
@@ -49,6 +52,11 @@ class IngestResult:
     input_bytes: int = 0
     # the inputs against the dataset's source index: new (tokenized now), changed, unchanged, removed
     sources: dict[str, int] = field(default_factory=dict)
+    deleted_samples: int = 0  # old samples of changed (and, under sync, removed) files this job deleted
+    filtered: int = 0  # valid records a quality filter dropped
+    filter_counts: dict[str, int] = field(default_factory=dict)  # filter name -> records
+    duplicates: int = 0  # samples dropped as duplicates (of this job's or the dataset's)
+    duplicate_counts: dict[str, int] = field(default_factory=dict)  # kind -> samples
 
 
 def job_id_for(dataset: str, manifest_hash: str, bundles: dict[str, str], text_first: float = 0.0) -> str:
@@ -139,6 +147,7 @@ def run_ingest(
     bundle_paths: dict[str, str],
     config: IngestConfig,
     lineage: dict[str, str] | None = None,
+    sync: bool = False,
 ) -> IngestResult:
     """Tokenize `inputs` into `dataset`; returns the committed (or already committed) snapshot."""
     started = time.perf_counter()
@@ -149,17 +158,17 @@ def run_ingest(
         )
     if all(f.modality in sources.UNPOOLED for f in files):
         raise ValueError(f"only caption files under {', '.join(map(str, inputs))}: no samples to ingest")
-    # incremental: only inputs the dataset has not read yet are tokenized (platform/incremental.py)
+    # incremental: only inputs the dataset has not read as they are now are tokenized; a changed
+    # file's old samples (and, with `sync`, a removed file's) leave in the same snapshot
     changes = classify(files, source_index(catalog, dataset), inputs)
-    if changes.changed or changes.removed:
-        log.warning("%s: %d input file(s) changed and %d removed since they were ingested; their samples stay as "
-                    "they were (replacing them is not supported yet): %s", dataset, len(changes.changed),
-                    len(changes.removed), ", ".join([f.path for f in changes.changed] + changes.removed)[:500])
+    work = plan(files, changes, sync)
+    if changes.removed and not sync:
+        log.warning("%s: %d input file(s) removed since they were ingested; their samples stay (ingest with --sync "
+                    "to delete them): %s", dataset, len(changes.removed), ", ".join(changes.removed)[:500])
     by_modality: dict[str, list[sources.SourceFile]] = {}
-    for f in changes.new:
-        if f.modality not in sources.UNPOOLED:  # captions and paired images are read with their sample
-            by_modality.setdefault(f.modality, []).append(f)
-    if not by_modality:  # nothing new: the dataset already holds every input
+    for f in work.tokenize:  # captions and paired images are read with their sample
+        by_modality.setdefault(f.modality, []).append(f)
+    if work.empty:  # nothing new: the dataset already holds every input
         snap = catalog.snapshot(dataset)
         summary = catalog.summary(dataset, snap.snapshot_id)
         return IngestResult(dataset, summary["job_id"], snap.snapshot_id, True, summary["job_samples"],
@@ -173,58 +182,40 @@ def run_ingest(
                 raise ValueError(f"inputs include {modality} files but no {kind} tokenizer bundle was given")
             needed.add(kind)
     bundles = {kind: Path(bundle_paths[kind]).name for kind in sorted(needed)}
-    manifest_hash = sources.manifest_hash(changes.new)
+    # the job reads what its source entries say (content hashes included) and deletes what it names
+    manifest_hash = hashlib.sha256(json.dumps([work.entries, work.delete_sources]).encode()).hexdigest()[:16]
     config.validate()
     has_media = any(m in by_modality for m in ("image", "audio"))
-    job_id = job_id_for(dataset, manifest_hash, bundles, config.text_first if has_media else 0.0)
-    input_bytes = sum(f.size for f in changes.new)
+    # the quality filters and dedup settings decide which samples a job keeps: part of its identity
+    identity = hashlib.sha256(json.dumps([manifest_hash, asdict(config.filters), asdict(config.dedup)],
+                                         sort_keys=True).encode()).hexdigest()[:16]
+    job_id = job_id_for(dataset, identity, bundles, config.text_first if has_media else 0.0)
+    input_bytes = sum(f.size for f in work.tokenize)
 
     done = catalog.find_job(dataset, job_id)
-    if done is not None:
-        s = catalog.summary(dataset, done.snapshot_id)
-        return IngestResult(dataset, job_id, done.snapshot_id, True, s["job_samples"], s["job_tokens"],
-                            s["quarantined"], s["quarantine_reasons"], skipped, time.perf_counter() - started,
-                            input_bytes, changes.counts())
+    if done is not None:  # its own summary: the snapshot may since have been expired (archived)
+        tl = done.tokenloom
+        return IngestResult(dataset, job_id, done.snapshot_id, True, int(tl.get("samples", 0)),
+                            int(tl.get("tokens", 0)), int(tl.get("quarantined", 0)),
+                            json.loads(tl.get("quarantine_reasons", "{}")), skipped, time.perf_counter() - started,
+                            input_bytes, changes.counts(), int(tl.get("removed_samples", 0)),
+                            int(tl.get("filtered", 0)), json.loads(tl.get("filter_counts", "{}")),
+                            int(tl.get("duplicates", 0)), json.loads(tl.get("duplicate_counts", "{}")))
 
-    ensure_ray(config)
-    have_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    branches = []
-    for modality, group in sorted(by_modality.items()):
-        pool = config.pool(modality)
-        resources = {pool.resource_label: 1} if pool.resource_label else None
-        # GPUs per actor where the cluster has them; elsewhere the pool runs on CPUs under its own label
-        num_gpus = pool.num_gpus if have_gpus else 0
-        # blocks of one pool batch each: a file can hold thousands of records, and a whole-file
-        # block would pin one actor while the others idle
-        records = _read_branch(group, config).repartition(target_num_rows_per_block=pool.batch_size)
-        branches.append(
-            records.map_batches(
-                WORKERS[modality],
-                fn_constructor_kwargs={"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
-                                       "vocab": vocab.to_dict(), "text_first": config.text_first},
-                batch_format="pyarrow",
-                batch_size=pool.batch_size,
-                compute=ray.data.ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors),
-                num_cpus=pool.num_cpus,
-                num_gpus=num_gpus or None,
-                resources=resources,
-            )
-        )
-    ds = branches[0].union(*branches[1:]) if len(branches) > 1 else branches[0]
     location = catalog.data_location(dataset, job_id)
-    sink = ShardSink(location, job_id, vocab.id, vocab.size, sorted(bundles.values()), config.rows_per_file or None)
-    ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.5})
-    out = sink.result
-    if out is None or (out.samples + out.quarantined) == 0:
+    out = _tokenize(by_modality, config, bundle_paths, vocab, location, job_id, bundles) if by_modality else None
+    if not work.delete_sources and (out is None or (out.samples + out.quarantined + out.filtered) == 0):
         raise ValueError("the inputs hold no records (empty files or blank lines only); nothing committed")
-    if not out.data_files:
+    if not work.delete_sources and not out.data_files and not out.filtered:
         raise ValueError(
             f"every input record was quarantined ({out.quarantined}: {dict(out.reasons)}); nothing to commit"
         )
+    out = out or TaskOutput()
+    # duplicates are decided here, once every write task has returned its keys (platform/dedup.py)
+    deduped = deduplicate(out, existing_keys(catalog, dataset, work.delete_sources), config.dedup, location, job_id)
     checksums_file, sources_file = f"{location}/_checksums.json", f"{location}/_sources.json"
     write_json(checksums_file, out.checksums)
-    touched = [f for f in changes.unchanged if f.path in changes.hashes]  # same content, new mtime
-    write_json(sources_file, [source_entry(f, changes.hashes.get(f.path)) for f in changes.new + touched])
+    write_json(sources_file, work.entries)
     snap = catalog.commit_job(
         dataset,
         job_id,
@@ -238,17 +229,47 @@ def run_ingest(
             "vocab_id": vocab.id,
             "bundle_ids": sorted(bundles.values()),
             "sources_hash": manifest_hash,
-            "sources": len(changes.new),
+            "sources": len(work.tokenize),
             "source_changes": changes.counts(),
             "input_bytes": str(input_bytes),
             "checksums_file": checksums_file,
             "sources_file": sources_file,
+            "filtered": str(out.filtered),
+            "filter_counts": dict(sorted(out.filter_counts.items())),
+            "filtered_files": out.filtered_files,
+            **deduped.properties(),
             **(lineage or {}),
         },
         stats=out.stats,
+        delete_sources=work.delete_sources,
     )
     return IngestResult(dataset, job_id, snap.snapshot_id, False, out.samples, out.tokens, out.quarantined,
-                        dict(out.reasons), skipped, time.perf_counter() - started, input_bytes, changes.counts())
+                        dict(out.reasons), skipped, time.perf_counter() - started, input_bytes, changes.counts(),
+                        int(snap.tokenloom.get("removed_samples", 0)), out.filtered, dict(sorted(out.filter_counts.items())),
+                        deduped.duplicates, deduped.counts)
+
+
+def _tokenize(by_modality: dict[str, list[sources.SourceFile]], config: IngestConfig, bundle_paths: dict[str, str],
+              vocab: VocabManifest, location: str, job_id: str, bundles: dict[str, str]) -> TaskOutput | None:
+    """The Ray Data pipeline: each modality's files read and parsed, tokenized on its own pool
+    (`platform/pools.py`), and written by one shard sink under `location`; returns what the
+    write tasks wrote."""
+    ensure_ray(config)
+    have_gpus = ray.cluster_resources().get("GPU", 0) > 0
+    branches = []
+    for modality, group in sorted(by_modality.items()):
+        pool = config.pool(modality)
+        # blocks of one pool batch each: a file can hold thousands of records, and a whole-file
+        # block would pin one actor while the others idle
+        records = _read_branch(group, config).repartition(target_num_rows_per_block=pool.batch_size)
+        worker_kwargs = {"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
+                         "vocab": vocab.to_dict(), "text_first": config.text_first,
+                         "quality": asdict(config.filters), "dedup": asdict(config.dedup)}
+        branches.append(pool_stage(records, modality, pool, worker_kwargs, sum(f.size for f in group), have_gpus))
+    ds = branches[0].union(*branches[1:]) if len(branches) > 1 else branches[0]
+    sink = ShardSink(location, job_id, vocab.id, vocab.size, sorted(bundles.values()), config.rows_per_file or None)
+    ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.5})
+    return sink.result
 
 
 def shutdown_ray() -> None:

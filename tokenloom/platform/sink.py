@@ -1,9 +1,11 @@
 """The shard sink: a Ray Data Datasink that writes token shards and quarantine records.
 
 Each write task validates its rows against the shard contract, writes the good ones as one
-Parquet file under the job's data folder and the rejected ones as a quarantine file, and
-returns what it wrote. Nothing is visible until the driver commits the collected file list
-as one Iceberg snapshot; files of a job that died are unreferenced and `catalog gc` food.
+Parquet file under the job's data folder, the rejected ones as a quarantine file and the
+ones a quality filter dropped as a `filtered/` file, and returns what it wrote with the dedup
+keys of every row it wrote (the driver decides duplicates from all of them once every task
+has returned: platform/dedup.py). Nothing is visible until the driver commits the collected
+file list as one Iceberg snapshot; files of a job that died are unreferenced and `catalog gc` food.
 """
 
 from __future__ import annotations
@@ -20,9 +22,20 @@ from ray.data import Datasink
 from ray.data.datasource.datasink import WriteResult
 
 from tokenloom.catalog.maintenance import sha256_bytes
-from tokenloom.catalog.schema import QUARANTINE_SCHEMA, SHARD_SCHEMA, modality_mix, validate_shard_rows
+from tokenloom.catalog.schema import (
+    FILTERED_SCHEMA,
+    QUARANTINE_SCHEMA,
+    SHARD_SCHEMA,
+    modality_mix,
+    validate_shard_rows,
+)
 from tokenloom.catalog.stats import empty_stats, merge_stats, shard_stats
 from tokenloom.catalog.uris import filesystem_and_path, to_uri
+
+# What the driver's dedup pass needs of each written sample, and the file that holds it.
+KEYS_SCHEMA = pa.schema([("sample_id", pa.string()), ("source", pa.string()), ("record", pa.string()),
+                         ("modality", pa.string()), ("content_hash", pa.string()),
+                         ("minhash", pa.list_(pa.uint32())), ("phash", pa.uint64()), ("data_file", pa.string())])
 
 
 @dataclass
@@ -35,6 +48,12 @@ class TaskOutput:
     reasons: Counter = field(default_factory=Counter)
     checksums: dict[str, str] = field(default_factory=dict)  # data file URI -> sha256
     stats: dict = field(default_factory=empty_stats)
+    file_stats: dict[str, dict] = field(default_factory=dict)  # data file URI -> its stats (dedup rewrites)
+    filtered_files: list[str] = field(default_factory=list)
+    filtered: int = 0
+    filter_counts: Counter = field(default_factory=Counter)
+    keys: pa.Table = field(default_factory=lambda: KEYS_SCHEMA.empty_table())  # one row per written sample
+
 
 
 def _reason_class(reason: str) -> str:
@@ -64,30 +83,40 @@ class ShardSink(Datasink):
 
     def write(self, blocks: Iterable[pa.Table], ctx) -> TaskOutput:
         out = TaskOutput()
-        good_parts, bad_parts = [], []
+        good_parts, bad_parts, key_parts, filtered_parts = [], [], [], []
         for block in blocks:
             if not isinstance(block, pa.Table):
                 block = pa.Table.from_pandas(block, preserve_index=False)
             if block.num_rows == 0:
                 continue
-            good, bad = self._split(block)
+            good, bad, good_keys, filtered = self._split(block)
             good_parts.append(good)
             bad_parts.append(bad)
+            key_parts.append(good_keys)
+            filtered_parts.append(filtered)
         filesystem, base = filesystem_and_path(self.location)
         name = f"task{ctx.task_idx:05d}-{uuid.uuid4().hex[:12]}"
         good = pa.concat_tables(good_parts) if good_parts else SHARD_SCHEMA.empty_table()
         bad = pa.concat_tables(bad_parts) if bad_parts else QUARANTINE_SCHEMA.empty_table()
+        good_keys = pa.concat_tables(key_parts) if key_parts else KEYS_SCHEMA.empty_table().drop(["data_file"])
+        filtered = pa.concat_tables(filtered_parts) if filtered_parts else FILTERED_SCHEMA.empty_table()
         # one file per modality mix: the table is partitioned by it
         for mix in sorted(set(good.column("modalities").to_pylist())):
-            part = good.filter(pc.equal(good.column("modalities"), mix))
+            in_mix = pc.equal(good.column("modalities"), mix)
+            part = good.filter(in_mix)
             path = f"{base}/{name}-{mix.replace('+', '_')}.parquet"
             buffer = pa.BufferOutputStream()
             pq.write_table(part, buffer, compression="zstd")
             data = buffer.getvalue()
             with filesystem.open_output_stream(path) as f:
                 f.write(data)
-            out.data_files.append(to_uri(self.location, path))
-            out.checksums[to_uri(self.location, path)] = sha256_bytes(data)
+            uri = to_uri(self.location, path)
+            out.data_files.append(uri)
+            out.checksums[uri] = sha256_bytes(data)
+            out.file_stats[uri] = shard_stats(part)
+            part_keys = good_keys.filter(in_mix)
+            key_parts_out = part_keys.append_column("data_file", pa.array([uri] * part_keys.num_rows, pa.string()))
+            out.keys = pa.concat_tables([out.keys, key_parts_out])
         if good.num_rows:
             out.samples = good.num_rows
             out.tokens = int(pc.sum(good.column("num_tokens")).as_py())
@@ -99,12 +128,23 @@ class ShardSink(Datasink):
             out.quarantine_files.append(to_uri(self.location, path))
             out.quarantined = bad.num_rows
             out.reasons.update(_reason_class(r) for r in bad.column("reason").to_pylist())
+        if filtered.num_rows:
+            path = f"{base}/filtered/{name}.parquet"
+            filesystem.create_dir(f"{base}/filtered", recursive=True)
+            pq.write_table(filtered, path, filesystem=filesystem)
+            out.filtered_files.append(to_uri(self.location, path))
+            out.filtered = filtered.num_rows
+            out.filter_counts.update(filtered.column("filter").to_pylist())
         return out
 
-    def _split(self, block: pa.Table) -> tuple[pa.Table, pa.Table]:
+    def _split(self, block: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table]:
+        """(shard rows, quarantine rows, the shard rows' dedup keys, filtered rows) of a block."""
         errors = block.column("error")
         ok = pc.is_null(errors)
-        candidates = block.filter(ok)
+        marked = "filter" in block.column_names
+        kept = pc.and_(ok, pc.is_null(block.column("filter"))) if marked else ok
+        filtered = self._filtered(block.filter(pc.and_(ok, pc.invert(kept)))) if marked else FILTERED_SCHEMA.empty_table()
+        candidates = block.filter(kept)
         n = candidates.num_rows
         shards = pa.Table.from_arrays(
             [
@@ -117,6 +157,8 @@ class ShardSink(Datasink):
                 pa.array([self.vocab_id] * n, pa.string()),
                 pa.array([self.bundle_ids] * n, pa.list_(pa.string())),
                 pa.array([self.job_id] * n, pa.string()),
+                (candidates.column("content_hash") if "content_hash" in candidates.column_names
+                 else pa.nulls(n, pa.string())),
             ],
             schema=SHARD_SCHEMA,
         )
@@ -133,7 +175,23 @@ class ShardSink(Datasink):
             },
             schema=QUARANTINE_SCHEMA,
         )
-        return shards.filter(valid), bad
+        return shards.filter(valid), bad, self._keys(candidates).filter(valid), filtered
+
+    def _filtered(self, rows: pa.Table) -> pa.Table:
+        return pa.Table.from_arrays(
+            [rows.column("sample_id"), rows.column("source"), rows.column("record"), rows.column("modality"),
+             rows.column("filter"), rows.column("filter_reason"), pa.array([self.job_id] * rows.num_rows, pa.string())],
+            schema=FILTERED_SCHEMA,
+        )
+
+    @staticmethod
+    def _keys(rows: pa.Table) -> pa.Table:
+        n = rows.num_rows
+        names = [f.name for f in KEYS_SCHEMA if f.name != "data_file"]
+        return pa.Table.from_arrays(
+            [rows.column(c) if c in rows.column_names else pa.nulls(n, KEYS_SCHEMA.field(c).type) for c in names],
+            schema=pa.schema([KEYS_SCHEMA.field(c) for c in names]),
+        )
 
     def on_write_complete(self, write_result: WriteResult) -> None:
         total = TaskOutput()
@@ -146,6 +204,12 @@ class ShardSink(Datasink):
             total.reasons.update(part.reasons)
             total.checksums.update(part.checksums)
             total.stats = merge_stats(total.stats, part.stats)
+            total.file_stats.update(part.file_stats)
+            total.filtered_files += part.filtered_files
+            total.filtered += part.filtered
+            total.filter_counts.update(part.filter_counts)
+            total.keys = pa.concat_tables([total.keys, part.keys])
         total.data_files.sort()
         total.quarantine_files.sort()
+        total.filtered_files.sort()
         self.result = total

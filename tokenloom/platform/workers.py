@@ -2,7 +2,11 @@
 
 Each actor loads its tokenizer bundle once, then turns batches of parsed records into shard
 rows. Records that arrive already quarantined pass through untouched, so every input
-record leaves the pool exactly once, as a sample or as a quarantine entry.
+record leaves the pool exactly once, as a sample, a quarantine entry or a filtered record.
+The pool is where a record is decoded, so it is also where it is measured: the quality
+filters (`datasets.filters`) mark records they drop, and the dedup keys (`datasets.dedup`:
+content hash, text MinHash, image phash) travel with each row to the sink and the driver,
+which decides what is a duplicate once every key of the job is known.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from tokenloom.catalog.schema import SHARD_SCHEMA
+from tokenloom.datasets import dedup as keys
+from tokenloom.datasets import filters
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
 from tokenloom.tokenizers.text import TextTokenizer
 from tokenloom.tokenizers.vocab import VocabManifest
@@ -25,11 +31,36 @@ OUT_SCHEMA = pa.schema(
         pa.field("tokens", pa.list_(pa.int32())),
         pa.field("segments", SHARD_SCHEMA.field("segments").type),
         pa.field("error", pa.string()),
+        pa.field("content_hash", pa.string()),  # of the normalized record (exact-duplicate key)
+        pa.field("modality", pa.string()),  # what the record is (text, image, audio): filters and dedup
+        pa.field("filter", pa.string()),  # the quality filter that dropped a valid record, else null
+        pa.field("filter_reason", pa.string()),
+        pa.field("minhash", pa.list_(pa.uint32())),  # text records, when near-duplicate text is on
+        pa.field("phash", pa.uint64()),  # image records, when near-duplicate images are on
     ]
 )
 
 
-def _output(batch: pa.Table, token_lists: list, segments: list, errors: list | None = None) -> pa.Table:
+class _Marks:
+    """Per-row filter results and dedup keys of one batch, filled in as rows are handled."""
+
+    def __init__(self, n: int):
+        self.hashes: list[str | None] = [None] * n
+        self.modality: list[str | None] = [None] * n
+        self.filter: list[str | None] = [None] * n
+        self.reason: list[str | None] = [None] * n
+        self.minhash: list[np.ndarray | None] = [None] * n
+        self.phash: list[int | None] = [None] * n
+
+    def columns(self) -> list[pa.Array]:
+        return [pa.array(self.hashes, pa.string()), pa.array(self.modality, pa.string()),
+                pa.array(self.filter, pa.string()), pa.array(self.reason, pa.string()),
+                pa.array(self.minhash, pa.list_(pa.uint32())), pa.array(self.phash, pa.uint64())]
+
+
+def _output(batch: pa.Table, token_lists: list, segments: list, errors: list | None = None,
+            marks: _Marks | None = None) -> pa.Table:
+    marks = marks or _Marks(batch.num_rows)
     return pa.Table.from_arrays(
         [
             batch.column("sample_id"),
@@ -38,6 +69,7 @@ def _output(batch: pa.Table, token_lists: list, segments: list, errors: list | N
             pa.array(token_lists, type=OUT_SCHEMA.field("tokens").type),
             pa.array(segments, type=OUT_SCHEMA.field("segments").type),
             pa.array(errors, type=pa.string()) if errors is not None else batch.column("error"),
+            *marks.columns(),
         ],
         schema=OUT_SCHEMA,
     )
@@ -48,9 +80,21 @@ class TextPoolWorker:
 
     needs = ("text",)
 
-    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0):
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0,
+                 quality: dict | None = None, dedup: dict | None = None):
         manifest = VocabManifest.from_dict(vocab)
         self.text_first = text_first
+        self.quality = filters.from_dict(quality)  # asdict(FilterConfig); None = the defaults
+        dedup = dedup or {}
+        on = bool(dedup.get("enabled", False))
+        self.minhash = on and dedup.get("text", True) and dedup.get("near_text", True)  # else no signature
+        self.phash = on and dedup.get("image", True) and dedup.get("near_image", True)
+        self.num_perm = int(dedup.get("num_perm", 128))
+        self.shingle_size = int(dedup.get("shingle_size", 5))
+        if self.minhash:  # datasketch imports scipy (seconds): load it while the read tasks run, not on a batch
+            import datasketch  # noqa: F401
+        if self.phash:
+            import imagehash  # noqa: F401
         self.tokenizer = TextTokenizer.load(bundle_paths["text"])
         if self.tokenizer.vocab_size > manifest.text.size:
             raise ValueError(
@@ -66,6 +110,21 @@ class TextPoolWorker:
             parts = parts[::-1]
         return parts
 
+    def _mark_text(self, marks: _Marks, rows: list[int], texts: list[str], encoded: list) -> None:
+        """Filter results, content hash and MinHash of text-only records."""
+        kept = []
+        for i, text, ids in zip(rows, texts, encoded, strict=True):
+            marks.modality[i], marks.hashes[i] = "text", keys.text_hash(text)
+            failed = filters.first_failure("text", filters.text_measures(text, len(ids)), self.quality)
+            if failed:
+                marks.filter[i], marks.reason[i] = failed
+            else:
+                kept.append((i, text))
+        if self.minhash and kept:
+            signatures = keys.minhashes([t for _, t in kept], self.num_perm, self.shingle_size)
+            for (i, _), signature in zip(kept, signatures, strict=True):
+                marks.minhash[i] = signature
+
     def __call__(self, batch: pa.Table) -> pa.Table:
         errors = batch.column("error").to_pylist()
         payloads = batch.column("payload").to_pylist()
@@ -73,9 +132,11 @@ class TextPoolWorker:
         encoded = self.tokenizer.encode_batch([payloads[i] for i in good]) if good else []
         token_lists: list[np.ndarray | None] = [None] * batch.num_rows
         segments: list[list[dict] | None] = [None] * batch.num_rows
+        marks = _Marks(batch.num_rows)
+        self._mark_text(marks, good, [payloads[i] for i in good], encoded)
         for i, ids in zip(good, encoded, strict=True):
             token_lists[i], segments[i] = self.layout.assemble([TextPart(np.asarray(ids))])
-        return _output(batch, token_lists, segments)
+        return _output(batch, token_lists, segments, marks=marks)
 
 
 class ImagePoolWorker(TextPoolWorker):
@@ -91,12 +152,13 @@ class ImagePoolWorker(TextPoolWorker):
 
     needs = ("text", "visual")
 
-    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0):
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0,
+                 quality: dict | None = None, dedup: dict | None = None):
         import torch
 
         from tokenloom.tokenizers.visual import load_visual
 
-        super().__init__(bundle_paths, vocab, text_first)
+        super().__init__(bundle_paths, vocab, text_first, quality, dedup)
         manifest = VocabManifest.from_dict(vocab)
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,20 +195,33 @@ class ImagePoolWorker(TextPoolWorker):
         token_lists: list[np.ndarray | None] = [None] * batch.num_rows
         segments: list[list[dict] | None] = [None] * batch.num_rows
         pixels: dict[int, np.ndarray] = {}
+        marks = _Marks(batch.num_rows)
         for i, err in enumerate(errors):
             if err is None and blobs[i] is not None:
                 # decoded no larger than needed: the tokenizer resizes into its pixel budget anyway
                 decoded, errors[i] = decode_image(blobs[i], max_decoded_pixels=4 * self.model.cfg.max_pixels)
-                if decoded is not None:
-                    pixels[i] = decoded.pixels
+                if decoded is None:
+                    continue
+                marks.modality[i] = "image"
+                marks.hashes[i] = keys.image_hash(decoded.pixels, payloads[i])
+                failed = filters.first_failure("image", filters.image_measures(decoded.pixels), self.quality)
+                if failed:  # not encoded: a filtered image is written to the side file only
+                    marks.filter[i], marks.reason[i] = failed
+                    continue
+                pixels[i] = decoded.pixels
+                if self.phash:
+                    marks.phash[i] = keys.phash(decoded.pixels)
         codes = self._encode_images(pixels) if pixels else {}
-        good = [i for i, err in enumerate(errors) if err is None]
+        good = [i for i, err in enumerate(errors) if err is None and marks.filter[i] is None]
         captions = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
+        text_only = [(i, c) for i, c in zip(good, captions, strict=True) if blobs[i] is None]
+        self._mark_text(marks, [i for i, _ in text_only], [payloads[i] or "" for i, _ in text_only],
+                        [c for _, c in text_only])
         ids = batch.column("sample_id").to_pylist()
         for i, caption in zip(good, captions, strict=True):
             media = [ImagePart(codes[i])] if i in codes else []  # else a text-only record
             token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], media, caption))
-        return _output(batch, token_lists, segments, errors)
+        return _output(batch, token_lists, segments, errors, marks)
 
 
 class AudioPoolWorker(TextPoolWorker):
@@ -162,12 +237,13 @@ class AudioPoolWorker(TextPoolWorker):
 
     needs = ("text", "audio")
 
-    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0):
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0,
+                 quality: dict | None = None, dedup: dict | None = None):
         import torch
 
         from tokenloom.tokenizers.audio import load_audio
 
-        super().__init__(bundle_paths, vocab, text_first)
+        super().__init__(bundle_paths, vocab, text_first, quality, dedup)
         manifest = VocabManifest.from_dict(vocab)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu":
@@ -178,12 +254,22 @@ class AudioPoolWorker(TextPoolWorker):
             raise ValueError(f"audio bundle has {levels} levels of {size} codes but the manifest's audio ranges are "
                              f"{[(r.start, r.stop) for r in manifest.audio]}")
 
-    def _encode(self, path: str) -> np.ndarray:
+    def _encode(self, path: str) -> tuple[np.ndarray, dict[str, float], keys.AudioHasher]:
+        """Codes of the file, with its filter measures and content hasher, from one streaming pass."""
         from tokenloom.datasets.audio import read_mono
         from tokenloom.tokenizers.audio import encode_long
 
         cfg = self.model.cfg
-        return encode_long(self.model, read_mono(path, cfg.chunk_seconds, cfg.sample_rate))
+        meter = filters.AudioMeter(cfg.sample_rate, self.quality.audio.silence_rms)
+        hasher = keys.AudioHasher()
+
+        def measured(blocks):
+            for block in meter.tap(blocks):
+                hasher.update(block)
+                yield block
+
+        codes = encode_long(self.model, measured(read_mono(path, cfg.chunk_seconds, cfg.sample_rate)))
+        return codes, meter.measures(), hasher
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from tokenloom.datasets.audio import AudioProblem
@@ -194,19 +280,28 @@ class AudioPoolWorker(TextPoolWorker):
         token_lists: list[np.ndarray | None] = [None] * batch.num_rows
         segments: list[list[dict] | None] = [None] * batch.num_rows
         codes: dict[int, np.ndarray] = {}
+        marks = _Marks(batch.num_rows)
         for i, err in enumerate(errors):
             if err is None and media[i] is not None:
                 try:
-                    codes[i] = self._encode(media[i])
+                    codes[i], measures, hasher = self._encode(media[i])
                 except AudioProblem as exc:
                     errors[i] = str(exc)
-        good = [i for i, err in enumerate(errors) if err is None]
+                    continue
+                marks.modality[i], marks.hashes[i] = "audio", hasher.hexdigest(payloads[i])
+                failed = filters.first_failure("audio", measures, self.quality)
+                if failed:
+                    marks.filter[i], marks.reason[i] = failed
+        good = [i for i, err in enumerate(errors) if err is None and marks.filter[i] is None]
         texts = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
+        text_only = [(i, t) for i, t in zip(good, texts, strict=True) if media[i] is None]
+        self._mark_text(marks, [i for i, _ in text_only], [payloads[i] or "" for i, _ in text_only],
+                        [t for _, t in text_only])
         ids = batch.column("sample_id").to_pylist()
         for i, text in zip(good, texts, strict=True):
-            media = [AudioPart(codes[i])] if i in codes else []  # else a text-only record
-            token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], media, text))
-        return _output(batch, token_lists, segments, errors)
+            parts = [AudioPart(codes[i])] if i in codes else []  # else a text-only record
+            token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], parts, text))
+        return _output(batch, token_lists, segments, errors, marks)
 
 
 WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker, "audio": AudioPoolWorker}
