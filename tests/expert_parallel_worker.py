@@ -36,7 +36,7 @@ from tokenloom.model import ModelConfig, MoEConfig, SubModel, UnifiedModel
 from tokenloom.model.moe import MoE
 from tokenloom.model.unified import mask_indices
 from tokenloom.trainer.config import TrainConfig
-from tokenloom.trainer.distributed import init_distributed
+from tokenloom.trainer.distributed import destroy_process_group, init_distributed
 from tokenloom.trainer.expert_parallel import (
     apply_expert_parallel,
     full_state_dict,
@@ -187,7 +187,7 @@ def main(out: Path, ep_size: int) -> None:
     # Leave the process group before exiting: without this, gloo's threads sometimes outlive the
     # interpreter and a rank aborts at exit ("terminate called without an active exception").
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    destroy_process_group()  # through DeepSpeed: it drops its cached groups
 
 
 # -- the real model, trained as tokenloom.trainer.loop trains it -------------------------------

@@ -21,7 +21,7 @@ def _local(*args, home: Path | None = None):
     return run(*args, home=home).json()
 
 
-def _cli(*args, home: Path, timeout=300):
+def _cli(*args, home: Path, timeout=900):
     env = dict(os.environ, TOKENLOOM_HOME=str(home))
     r = subprocess.run([sys.executable, "-m", "tokenloom.cli", *args], capture_output=True, text=True,
                        timeout=timeout, env=env)
@@ -61,6 +61,21 @@ def test_demo_runs_end_to_end(demo_home):
     # the unified model: losses per target modality, and the routers' balance
     assert s["modality_loss"]["loss_text"] > 0 and 0 < s["routing"]["all.load_entropy"] <= 1
     assert s["active_parameters"] < s["parameters"]
+    # the held-out split (tiny.toml: stream.holdout) holds every modality, each with a figure
+    for m in ("text", "image", "audio"):
+        assert math.isfinite(s["val_loss"][m]["loss"]) and s["val_loss"][m]["tokens"] > 0, s["val_loss"]
+    assert s["val_loss"]["step"] == s["steps"]
+
+
+def test_held_out_loss_is_what_model_eval_gives_the_saved_model(demo_home):
+    """`tokenloom model eval` on the held-out split, independently of the training process, gives the
+    figures training reported for the model it saved."""
+    home, s = demo_home
+    again = _local("model", "eval", s["run_dir"], "--dataset", "stdlib-docs", "--config", "tiny", "--batches", "2",
+                   "--json", "stream.split=val", home=home)
+    for m in ("text", "image", "audio"):
+        assert again[f"loss_{m}"] == pytest.approx(s["val_loss"][m]["loss"], rel=1e-5, abs=1e-5)
+        assert again[f"tokens_{m}"] == s["val_loss"][m]["tokens"]
 
 
 def test_catalog_reports_the_committed_snapshot(demo_home):
@@ -175,7 +190,7 @@ def test_expert_parallel_training_over_two_processes(demo_home, tmp_path):
     # one rank multiplies both ranks' rows at once, and the weights then agree only to ~3e-5
     args = ["train", "--dataset", "stdlib-docs", "--steps", "4", "--json", "--home", str(home), "model.dim=32",
             "model.n_layers=1", "model.n_heads=1", "model.moe.n_experts=4", "stream.seq_len=64",
-            "train.micro_batch_size=2", "train.warmup_steps=1", "train.precision=fp32"]
+            "train.micro_batch_size=2", "train.warmup_steps=1", "train.precision=fp32", "stream.holdout=0.25"]
 
     def launch(name: str, world: int, *extra: str) -> dict:
         # one retry for an intermittent gloo abort seen once in ~30 launches ("Received data size
@@ -220,6 +235,10 @@ def test_expert_parallel_training_over_two_processes(demo_home, tmp_path):
     # the same rows and weights as replicated experts: only the placement of the experts differs
     # (measured: the same losses to the last digit, weights within 1e-8)
     assert split["losses"] == pytest.approx(replicated["losses"], rel=1e-6)
+    # the held-out evaluation: each rank its share, the sums all-reduced, the same with experts split
+    for m in ("text", "image", "audio"):
+        assert split["val_loss"][m]["tokens"] == replicated["val_loss"][m]["tokens"] > 0
+        assert split["val_loss"][m]["loss"] == pytest.approx(replicated["val_loss"][m]["loss"], rel=1e-5)
 
     run = Path(split["run_dir"])
     assert Path(split["model_dir"]) == run / "model" and Path(split["checkpoint"]).is_dir()

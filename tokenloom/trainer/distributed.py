@@ -71,8 +71,18 @@ def shutdown_distributed() -> int:
     rank = torch.distributed.get_rank()
     if torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        destroy_process_group()
     return rank
+
+
+def destroy_process_group() -> None:
+    """Destroy the process group through DeepSpeed, which also drops the groups it cached (data,
+    sequence, expert parallel): after torch's own `destroy_process_group` a later engine in the
+    same process would reach for a dead group ("Group ... is not registered")."""
+    if torch.distributed.is_initialized():
+        import deepspeed.comm
+
+        deepspeed.comm.destroy_process_group()
 
 
 if __name__ == "__main__":
