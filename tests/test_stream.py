@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tokenloom.contract import IGNORE_INDEX
+from tokenloom.contract import IGNORE_INDEX, PAD_MODALITY
 from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
 
 
@@ -88,24 +88,37 @@ def test_global_order_does_not_depend_on_world_size(shard_files):
 def test_packing_keeps_documents_apart(shard_files):
     row = next(iter(TokenStream(shard_files, StreamConfig(seq_len=64, seed=0))))
     ids, labels, docs, pos = row["ids"][:, 0], row["labels"][:, 0], row["doc_ids"], row["coords"][:, 0]
-    for i in range(63):
+    real = int((row["modality"] != PAD_MODALITY).sum())
+    assert (row["modality"][real:] == PAD_MODALITY).all()  # padding only at the end
+    for i in range(real - 1):
         if docs[i + 1] == docs[i]:
             assert labels[i] == ids[i + 1]  # next token of the same sample
             assert pos[i + 1] == pos[i] + 1
         else:
             assert labels[i] == IGNORE_INDEX and pos[i + 1] == 0
-    for doc in np.unique(docs):  # a document run is consecutive tokens of one sample
-        run = ids[docs == doc]
+    for doc in np.unique(docs[:real]):  # a document run is consecutive tokens of one sample
+        run = ids[:real][docs[:real] == doc]
         assert np.all(run // 1000 == run[0] // 1000) and np.all(np.diff(run) == 1)
     assert len(np.unique(docs)) > 1  # the row really packs several samples
 
 
-def test_rows_tile_the_sample_stream_without_gaps_or_repeats(shard_files):
-    stream = TokenStream(shard_files, StreamConfig(seq_len=10, seed=2), rank=1, world_size=2)
-    expected = np.concatenate([stream._sample(0, c) for c in range(stream.samples_per_epoch(0))])
-    it = iter(stream)
-    rows = [next(it)["ids"][:, 0] for _ in range(len(expected) // 10)]
-    np.testing.assert_array_equal(np.concatenate(rows), expected[: 10 * len(rows)])
+def test_rows_hold_every_pulled_position_exactly_once(shard_files):
+    """Packed positions = the pulled samples' positions minus the packing window, each once."""
+    stream = TokenStream(shard_files, StreamConfig(seq_len=10, seed=2, pack_window=6), rank=1, world_size=2)
+    n = stream.samples_per_epoch(0)
+    packed = []
+    while True:
+        row = next(iter(stream))
+        packed += row["ids"][row["modality"] != PAD_MODALITY, 0].tolist()
+        state = stream.state
+        if state.cursor >= n - 2 or state.epoch > 0:
+            break
+    assert state.epoch == 0
+    pulled = np.concatenate([stream._sample(0, c) for c in range(state.cursor)]).tolist()
+    pending = [t for p in state.pending for t in stream._sample(0, p.cursor)[p.start : p.stop].tolist()]
+    assert len(packed) == len(set(packed))  # every token id is unique in this data, so no repeats
+    assert sorted(packed + pending) == sorted(pulled)
+    assert state.skipped == 0
 
 
 def test_bad_arguments(shard_files, tmp_path):

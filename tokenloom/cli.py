@@ -210,8 +210,10 @@ def demo(home: HomeOpt = None, json_out: JsonOpt = False,
                   f"{summary['model']}"),
         ("steps", str(summary["steps"])),
         ("loss first -> last", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"),
-        ("final loss by modality", ", ".join(f"{k.removeprefix('loss_')} {v:.3f}"
-                                             for k, v in summary["modality_loss"].items() if v is not None)),
+        ("training loss by modality", ", ".join(f"{k.removeprefix('loss_')} {v:.3f}"
+                                                for k, v in summary["modality_loss"].items() if v is not None)
+                                      + " (last 10 steps)"),
+        ("held-out loss by modality", held_out_line(summary["val_loss"])),
         ("expert balance", f"max load / mean load - 1: {summary['routing'].get('all.max_violation', float('nan')):.2f}"
                            f" (mean over layers), load entropy {summary['routing'].get('all.load_entropy', 0):.3f}"),
         ("training tokens/s", f"{summary['train_tokens_per_second']:,.0f}"),
@@ -667,7 +669,20 @@ def train(
     if r.checkpoint:
         console.print(f"checkpoint: {r.checkpoint}")
     per = ", ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in r.modality_loss.items() if v is not None)
-    console.print(f"final loss per modality: {per}; model in {r.model_dir}")
+    console.print(f"training loss per modality (last 10 steps): {per}; model in {r.model_dir}")
+    console.print(f"held-out loss per modality: {held_out_line(r.val_loss)}")
+
+
+def held_out_line(val_loss: dict) -> str:
+    """A held-out evaluation (`trainer.TrainResult.val_loss`) as one line: each modality's loss and
+    the targets it rests on, or why there is none."""
+    per = {m: v for m, v in val_loss.items() if isinstance(v, dict)}
+    reasons = {v.get("reason") for v in per.values()}
+    if not per or all(v["loss"] is None for v in per.values()) and len(reasons) == 1:
+        return f"none: {reasons.pop() if per else 'not evaluated'}"
+    parts = [f"{m} {v['loss']:.3f} ({v['tokens']:,} targets)" if v["loss"] is not None else f"{m}: none ({v['reason']})"
+             for m, v in per.items()]
+    return ", ".join(parts) + f"; after step {val_loss['step']}, {val_loss['rows']:,} held-out rows"
 
 
 LayersOpt = Annotated[str | None, typer.Option("--layers", help="Layers to keep, e.g. 0,2,3 or 0-2 (default: all).")]

@@ -26,23 +26,25 @@ Targets. Every other position predicts the whole group at the next position of i
 (-100 across samples and for the given start rows); `target_modality` names the modality of
 each target, so losses are counted per predicted modality.
 
-Packing. A rank's samples are concatenated and cut into rows of `seq_len` positions.
-FlashMask expresses each key column's masked rows with at most two
-intervals; a windowed audio segment that is followed by more of its own sample (its
-transcript) needs three when another sample follows it in the row. Such a sample therefore
-ends its row: the rest of the row is padding (modality 3, no targets), a causal segment of
-that last sample, so its document reaches the row's end and the mask stays within two intervals.
+Packing (`datasets/packing.py`). A rank's samples are cut into pieces only outside their image
+and audio segments and packed best-fit from a window of the next `pack_window` pieces, so no
+media segment ever crosses a row; a sample whose media segment alone exceeds a row is skipped
+and counted. An audio sample whose windowed frames are followed by its transcript is the last
+document of its row (FlashMask's two intervals per column), as before. `batches` yields each
+row's fill ratio (non-padding positions / `seq_len`) as `fill_ratio` [B] beside the row keys.
 
-State. `StreamState(epoch, cursor, offset)` is the position of the next row's first position:
-the rank-local sample index inside the epoch and the position offset inside that sample. It
-is three integers, so saving and resuming is exact and costs nothing.
+State. `StreamState` is the next sample to pull (epoch, rank-local cursor), the pieces pulled
+but not yet packed (each named by epoch, cursor and position range, in window order) and the
+count of skipped samples. The window is rebuilt from it on resume, so a stream saved after N
+rows and resumed yields exactly the rows an uninterrupted stream yields.
 """
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -53,12 +55,14 @@ from tokenloom.contract import (
     DEFAULT_ATTENTION,
     IGNORE_INDEX,
     MODALITY_IDS,
-    PAD_MODALITY,
     ROW_KEYS,
     SPECIAL_TOKENS,
 )
+from tokenloom.datasets.packing import PAD_ID, assemble, choose_row, fill_ratio, pack_row, split_points
 
-PAD_ID = SPECIAL_TOKENS.index("<pad>")  # the input id of padding positions (no target uses them)
+__all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "StreamConfig", "StreamState",
+           "TokenStream", "held_out", "pack_row", "sample_positions"]
+
 ROW_ID = SPECIAL_TOKENS.index("<row>")  # the input id of an image's learned start row
 
 
@@ -77,20 +81,38 @@ class StreamConfig:
     audio_window: int = 64  # frames an audio position attends to within its segment
     holdout: float = 0.0  # fraction of samples set aside for validation (a fixed hash of file and row)
     split: str = "train"  # "train" (samples not held out) or "val" (the held-out ones)
+    pack_window: int = 128  # pending pieces (in stream order) that best-fit packing chooses from
+
+
+@dataclass(frozen=True)
+class PendingPiece:
+    """A piece pulled into the packing window and not yet packed: positions [start, stop) of a
+    rank-local sample."""
+
+    epoch: int
+    cursor: int
+    start: int
+    stop: int
 
 
 @dataclass
 class StreamState:
     epoch: int = 0
-    cursor: int = 0  # rank-local sample index within the epoch
-    offset: int = 0  # position offset within that sample
+    cursor: int = 0  # the next rank-local sample (within the epoch) to pull into the packing window
+    pending: tuple[PendingPiece, ...] = ()  # the packing window, in stream order
+    skipped: int = 0  # samples skipped so far because a media segment is longer than a row
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped,
+                "pending": [[p.epoch, p.cursor, p.start, p.stop] for p in self.pending]}
 
     @staticmethod
     def from_dict(d: dict) -> StreamState:
-        return StreamState(int(d["epoch"]), int(d["cursor"]), int(d["offset"]))
+        if "pending" not in d:
+            raise ValueError(f"stream state {d} was written by the concatenate-and-chunk packer (it has no packing "
+                             "window); it cannot be resumed exactly by the best-fit packer: start the run afresh")
+        pending = tuple(PendingPiece(*(int(x) for x in p)) for p in d["pending"])
+        return StreamState(int(d["epoch"]), int(d["cursor"]), pending, int(d.get("skipped", 0)))
 
 
 @dataclass
@@ -106,6 +128,7 @@ class Positions:
     ends_row: bool  # a windowed segment is followed by more of this sample
     labels: np.ndarray | None = None  # [P, G] the group each position predicts, IGNORE_INDEX where none
     target: np.ndarray | None = None  # [P] the modality of that target, -1 where none
+    media: list[tuple[int, int]] = field(default_factory=list)  # [start, stop) positions of each image/audio segment
 
     def __len__(self) -> int:
         return len(self.modality)
@@ -117,6 +140,7 @@ def sample_positions(tokens: np.ndarray, segments: list[dict] | None, group_size
         segments = [{"modality": "text", "start": 0, "length": len(tokens), "grid": [], "attention": None}]
     ids, modality, coords, segment, attention, window = [], [], [], [], [], []
     image_targets: list[tuple[int, np.ndarray, int]] = []  # (first position, codes in raster order, width)
+    media: list[tuple[int, int]] = []
     p, ends_row, seg_no, n_pos = 0, False, 0, 0
     for k, seg in enumerate(segments):
         kind_name = seg.get("attention") or DEFAULT_ATTENTION[seg["modality"]]
@@ -169,11 +193,13 @@ def sample_positions(tokens: np.ndarray, segments: list[dict] | None, group_size
         seg_no = int(segment[-1][-1]) + 1
         attention.append(np.full(n, ATTENTION_IDS[kind_name]))
         window.append(np.full(n, win))
+        if mod in ("image", "audio"):
+            media.append((n_pos, n_pos + n))
         n_pos += n
     ids_all, mod_all = np.concatenate(ids), np.concatenate(modality)
     labels, target = _targets(ids_all, mod_all, image_targets)
     return Positions(ids_all, mod_all, np.concatenate(coords).astype(np.int64), np.concatenate(segment),
-                     np.concatenate(attention), np.concatenate(window), ends_row, labels, target)
+                     np.concatenate(attention), np.concatenate(window), ends_row, labels, target, media)
 
 
 def _targets(ids: np.ndarray, modality: np.ndarray, images: list[tuple[int, np.ndarray, int]]
@@ -247,15 +273,6 @@ class EpochOrder:
         self.total = start
 
 
-def pack_row(samples: Sequence[Positions], seq_len: int) -> dict[str, np.ndarray]:
-    """Whole samples, in order, as one row of `seq_len` positions (padded; raises if they do not fit)."""
-    used = sum(len(s) for s in samples)
-    if used > seq_len:
-        raise ValueError(f"{used} positions do not fit a row of {seq_len}")
-    group = samples[0].ids.shape[1]
-    return TokenStream._assemble([(s, slice(0, len(s)), d) for d, s in enumerate(samples)], seq_len, group)
-
-
 class TokenStream:
     """An endless iterator of packed rows for one data-parallel rank."""
 
@@ -277,9 +294,14 @@ class TokenStream:
             raise ValueError(f"stream.seq_len must be at least 2, got {config.seq_len}")
         self.files, self.config, self.rank, self.world = list(files), config, rank, world_size
         self.group_size = max(1, config.group_size)
-        self.state = state or StreamState()
+        if config.pack_window < 1:
+            raise ValueError(f"stream.pack_window must be at least 1, got {config.pack_window}")
         self._order: EpochOrder | None = None
         self._cache: dict[int, list] = {}  # window index -> samples in window order
+        self._window: list[tuple[PendingPiece, Positions]] = []  # the packing window (`StreamState.pending`)
+        self._epoch = self._cursor = self._skipped = 0
+        self._warned = False  # one warning per stream about skipped samples; the count says the rest
+        self.state = state or StreamState()
 
     # -- sample access ------------------------------------------------------------------
     def _epoch_order(self, epoch: int) -> EpochOrder:
@@ -320,74 +342,70 @@ class TokenStream:
         return entry[1]
 
     # -- packing --------------------------------------------------------------------------
-    def next_row(self) -> dict[str, np.ndarray]:
-        L, G = self.config.seq_len, self.group_size
-        pieces: list[tuple[Positions, slice, int]] = []
-        epoch, cursor, offset = self.state.epoch, self.state.cursor, self.state.offset
-        taken, doc, after = 0, 0, None
-        while taken < L + 1:  # L inputs plus the group that is the last input's target
-            if cursor >= self.samples_per_epoch(epoch):
-                epoch, cursor, offset = epoch + 1, 0, 0
-                continue
-            s = self._positions(epoch, cursor)
-            if after is None and taken + len(s) - offset >= L:
-                at = offset + L - taken
-                after = StreamState(epoch, cursor, at) if at < len(s) else StreamState(epoch, cursor + 1, 0)
-            stop = min(len(s), offset + L + 1 - taken)
-            pieces.append((s, slice(offset, stop), doc))
-            taken += stop - offset
-            offset = stop
-            if offset >= len(s):
-                cursor, offset, doc = cursor + 1, 0, doc + 1
-                if s.ends_row and taken < L:  # no other sample may follow this one in the row
-                    after = StreamState(epoch, cursor, 0)
-                    break
-        self.state = after
-        return self._assemble(pieces, L, G)
+    def _pull(self) -> None:
+        """Move the next sample into the packing window, as pieces (or skip it, counted)."""
+        while self._cursor >= self.samples_per_epoch(self._epoch):
+            self._epoch, self._cursor = self._epoch + 1, 0
+        at, self._cursor = PendingPiece(self._epoch, self._cursor, 0, 0), self._cursor + 1
+        s = self._positions(at.epoch, at.cursor)
+        points = split_points(s, self.config.seq_len)
+        if points is None:
+            self._skipped += 1
+            longest = max(b - a for a, b in s.media)
+            if not self._warned:
+                warnings.warn(f"a sample (epoch {at.epoch}, rank {self.rank} sample {at.cursor}) has a media segment "
+                              f"of {longest} positions, longer than stream.seq_len {self.config.seq_len}: media is "
+                              f"never split across rows, so such samples are skipped and counted in the stream "
+                              f"state's `skipped`; set stream.seq_len to at least {longest} to keep them", stacklevel=3)
+                self._warned = True
+            return
+        for a, b in zip(points[:-1], points[1:], strict=True):
+            self._window.append((PendingPiece(at.epoch, at.cursor, a, b), s))
 
-    @staticmethod
-    def _assemble(pieces: list[tuple[Positions, slice, int]], L: int, G: int) -> dict[str, np.ndarray]:
-        ids = np.concatenate([s.ids[sl] for s, sl, _ in pieces])
-        docs = np.concatenate([np.full(sl.stop - sl.start, d) for _, sl, d in pieces])
-        cat = {key: np.concatenate([getattr(s, key)[sl] for s, sl, _ in pieces])
-               for key in ("modality", "coords", "segment", "attention", "window")}
-        labels = np.concatenate([s.labels[sl] for s, sl, _ in pieces])[:L]
-        target_modality = np.concatenate([s.target[sl] for s, sl, _ in pieces])[:L]
-        n = len(docs)
-        if len(labels) < L:
-            labels = np.concatenate([labels, np.full((L - len(labels), G), IGNORE_INDEX, dtype=np.int64)])
-            target_modality = np.r_[target_modality, np.full(L - len(target_modality), -1)]
-        # a segment id unique within the row: (document, segment index) runs
-        key = docs[:L] * 100_000 + cat["segment"][:L]
-        segment_ids = np.cumsum(np.r_[0, key[1:] != key[:-1]])
-        row = {
-            "ids": ids[:L], "labels": labels, "modality": cat["modality"][:L], "coords": cat["coords"][:L],
-            "doc_ids": docs[:L], "segment_ids": segment_ids, "attention": cat["attention"][:L],
-            "window": cat["window"][:L], "target_modality": target_modality,
-        }
-        used = min(n, L)
-        if used < L:  # padding: a causal segment of the last sample, no targets
-            pad = L - used
-            last_t = row["coords"][-1, 0]
-            filler = np.full((pad, G), -1, dtype=np.int64)
-            filler[:, 0] = PAD_ID
-            row["ids"] = np.concatenate([row["ids"], filler])
-            row["modality"] = np.r_[row["modality"], np.full(pad, PAD_MODALITY)]
-            row["coords"] = np.concatenate([row["coords"], np.repeat(last_t + 1 + np.arange(pad)[:, None], 3, 1)])
-            row["doc_ids"] = np.r_[row["doc_ids"], np.full(pad, row["doc_ids"][-1])]
-            row["segment_ids"] = np.r_[row["segment_ids"], np.full(pad, row["segment_ids"][-1] + 1)]
-            row["attention"] = np.r_[row["attention"], np.full(pad, ATTENTION_IDS["causal"])]
-            row["window"] = np.r_[row["window"], np.zeros(pad, dtype=np.int64)]
-        return {k: np.asarray(v, dtype=np.int64) for k, v in row.items()}
+    def next_row(self) -> dict[str, np.ndarray]:
+        """The next packed row (see `datasets/packing.py`)."""
+        in_a_row = 0  # samples pulled in a row that gave no piece
+        while len(self._window) < self.config.pack_window:
+            before = len(self._window)
+            self._pull()
+            in_a_row = 0 if len(self._window) > before else in_a_row + 1
+            if in_a_row > self.samples_per_epoch(self._epoch) and not self._window:
+                raise ValueError(f"no sample of rank {self.rank} fits a row of stream.seq_len "
+                                 f"{self.config.seq_len} (each has a media segment longer than that): raise seq_len")
+        chosen = choose_row([p.stop - p.start for p, _ in self._window],
+                            [s.ends_row for _, s in self._window], self.config.seq_len)
+        pieces = [(self._window[k][1], slice(self._window[k][0].start, self._window[k][0].stop)) for k in chosen]
+        taken = set(chosen)
+        self._window = [w for k, w in enumerate(self._window) if k not in taken]
+        return assemble(pieces, self.config.seq_len, self.group_size)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         while True:
             yield self.next_row()
 
     def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        """Batches of rows [B, ...] under the row keys, plus `fill_ratio` [B] float64: each row's
+        non-padding share, whose mean is the batch's fill ratio."""
         while True:
             rows = [self.next_row() for _ in range(batch_size)]
-            yield {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
+            batch = {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
+            batch["fill_ratio"] = fill_ratio(batch["modality"])
+            yield batch
+
+    @property
+    def state(self) -> StreamState:
+        return StreamState(self._epoch, self._cursor, tuple(p for p, _ in self._window), self._skipped)
+
+    @state.setter
+    def state(self, state: StreamState) -> None:
+        window = []
+        for p in state.pending:
+            s = self._positions(p.epoch, p.cursor)
+            if not 0 <= p.start < p.stop <= len(s):
+                raise ValueError(f"stream state names positions [{p.start}, {p.stop}) of a sample of {len(s)}: "
+                                 "it was saved for other data or stream settings")
+            window.append((p, s))
+        self._epoch, self._cursor, self._skipped, self._window = state.epoch, state.cursor, state.skipped, window
 
     def state_dict(self) -> dict:
         return self.state.to_dict()

@@ -93,7 +93,7 @@ def demo(home: Home, cfg: RunConfig, progress: bool = True) -> dict:
         "active_parameters": trained.active_parameters,
         "model": f"{m.n_layers} layers x dim {m.dim}, {m.moe.n_experts} experts top-{m.moe.top_k} + "
                  f"{m.moe.n_shared_experts} shared",
-        "modality_loss": trained.modality_loss, "routing": trained.routing, "model_dir": trained.model_dir,
+        "modality_loss": trained.modality_loss, "val_loss": trained.val_loss, "routing": trained.routing, "model_dir": trained.model_dir,
         "home": str(home.root), "run_dir": trained.run_dir, "checkpoint": trained.checkpoint,
         "loss_plot": trained.loss_plot, "generations": generations, "seconds": time.perf_counter() - t0,
     }

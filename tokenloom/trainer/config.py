@@ -28,6 +28,9 @@ class TrainConfig:
     checkpoint_every_minutes: float = 0.0  # and after this many minutes without one (0: off)
     keep_last: int = 2  # complete checkpoints kept; older ones go once a newer one is complete (0: keep all)
     expert_parallel: int = 1  # ranks one layer's experts are spread over (divides the world size)
+    # held-out loss per modality at every checkpoint and at the end, when stream.holdout > 0:
+    # this many batches per modality mix (trainer.evaluate; 0: off)
+    eval_batches: int = 4
 
     def validate(self) -> None:
         if self.steps < 1 or self.micro_batch_size < 1 or self.grad_accum < 1:
@@ -43,6 +46,8 @@ class TrainConfig:
             raise ValueError(f"train.keep_last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"train.precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.eval_batches < 0:
+            raise ValueError(f"train.eval_batches must be >= 0 (0: no held-out evaluation), got {self.eval_batches}")
         if self.expert_parallel < 1:
             raise ValueError(f"train.expert_parallel must be >= 1, got {self.expert_parallel}")
         if self.expert_parallel > 1 and self.zero_stage not in (1, 2):

@@ -7,9 +7,13 @@ auxiliary-loss-free bias updates (from loads summed over every rank, so biases s
 the attention mask's intervals (computed once per micro-batch from the row's segment columns
 and handed to the model), precision context, logging (per-modality losses, per-layer routing
 balance, gradient norm, learning rate, peak memory) and when to checkpoint (`trainer.checkpoints`
-writes them atomically). The data stream's state is saved inside each DeepSpeed checkpoint
-(client state), so resuming a run continues with exactly the batch the interrupted run would have
-read next, and its losses and weights are the uninterrupted run's.
+writes them atomically). At every checkpoint and at the end it evaluates the full model on the
+held-out split (`stream.holdout`, `train.eval_batches` per modality mix, `trainer.evaluate`): the
+training losses by modality rest on the few rare-modality targets of recent steps, the held-out
+ones on a fixed set of rows that holds every modality of the split. The data stream's state is
+saved inside each DeepSpeed checkpoint (client state), so resuming a run continues with exactly
+the batch the interrupted run would have read next, and its losses and weights are the
+uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +37,7 @@ from tokenloom.model.unified import UnifiedModel, mask_indices, routing_metrics
 from tokenloom.trainer import checkpoints
 from tokenloom.trainer.config import TrainConfig
 from tokenloom.trainer.distributed import init_distributed, use_bf16
+from tokenloom.trainer.evaluate import by_modality, evaluate, group_by_mix
 from tokenloom.trainer.metrics import MetricsLog, peak_memory, plot_loss, plot_routing
 
 
@@ -54,6 +59,9 @@ class TrainResult:
     model_dir: str | None = None
     routing_plot: str | None = None
     active_parameters: int = 0
+    # the held-out loss at the end: {"step", "rows", <modality>: {"loss", "tokens"[, "reason"]}}
+    val_loss: dict = field(default_factory=dict)
+    evaluations: list[dict] = field(default_factory=list)  # every held-out evaluation of this invocation
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -175,9 +183,33 @@ def train(
     late_from = end_step - max(1, (end_step - start_step) // 4)
     window: list[StepStats] = []  # steps since the last log record
     window_grad_norms: list[float] = []
+    window_fill: list[float] = []  # per micro-batch: the non-padding share of its rows
     schedule = checkpoints.Schedule(train_cfg.checkpoint_every, train_cfg.checkpoint_every_minutes, world,
                                     engine.device)
     checkpoint: Path | None = None
+    evaluations: list[dict] = []
+    val_cfg = replace(stream_cfg, split="val")
+    no_eval = ("stream.holdout is 0: there is no held-out split to evaluate (set stream.holdout, e.g. 0.1)"
+               if stream_cfg.holdout <= 0 else
+               "train.eval_batches is 0: held-out evaluation is off" if train_cfg.eval_batches == 0 else None)
+    val_groups = group_by_mix(files) if no_eval is None else None
+
+    def held_out_eval(done: int) -> dict:
+        """The full model (no elastic cut), in eval mode, at the training precision, on the held-out rows."""
+        if no_eval is not None:
+            doc = {"step": done, "rows": 0, **by_modality(None, no_eval)}
+        else:
+            result = evaluate(engine.module, files, val_cfg, train_cfg.eval_batches, train_cfg.micro_batch_size,
+                              rank=rank, world_size=world, groups=val_groups, autocast=autocast)
+            engine.module.train()
+            doc = {"step": done, "rows": result["rows"], **by_modality(result)}
+            if metrics is not None:  # logged at the last trained step's index, so a resume keeps it
+                metrics.log({"step": done - 1, "eval": "held-out", "steps_done": done, "val_loss": result["loss"],
+                             "val_rows": result["rows"],
+                             **{f"val_loss_{m}": result[f"loss_{m}"] for m in MODALITIES},
+                             **{f"val_tokens_{m}": result[f"tokens_{m}"] for m in MODALITIES}})
+        evaluations.append(doc)
+        return doc
 
     def save(at_step: int) -> Path:
         client = {"data": _gather_states(stream, world), "step": at_step, "world_size": world,
@@ -194,7 +226,9 @@ def train(
         stats = StepStats(model_cfg.n_layers, model_cfg.moe.n_experts)
         step_loss = 0.0
         for _ in range(train_cfg.grad_accum):
-            batch = _to_tensors(next(batches), engine.device)
+            raw = next(batches)
+            window_fill.append(float(raw.pop("fill_ratio").mean()))  # non-padding share of the rows
+            batch = _to_tensors(raw, engine.device)
             indices = mask_indices(batch)  # the attention mask's intervals, once per micro-batch
             with autocast:
                 loss, parts = engine.module.loss(batch, sub, indices=indices)
@@ -224,19 +258,23 @@ def train(
             # per-modality losses over the steps since the last record: images and audio are rare
             merged, window = _merge_recent(window), []
             norms, window_grad_norms = window_grad_norms, []
+            fills, window_fill = window_fill, []
             if metrics is not None:
                 record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
                           "grad_norm": norms[-1] if norms else None, "grad_norm_max": max(norms, default=None),
+                          "fill_ratio": float(np.mean(fills)), "skipped_samples": stream.state.skipped,
                           "tokens_per_second": tokens_seen / max(train_seconds, 1e-9), **merged.modality_losses(),
                           **peak_memory(engine.device), "submodel": sub.describe()}
                 record.update(routing_metrics(merged.loads))
                 metrics.log(record)
         if step + 1 < end_step and schedule.due(step + 1):
             checkpoint = save(step + 1)
+            held_out_eval(step + 1)
     bar.close()
 
     if train_cfg.save_checkpoint:  # the periodic saves stop short of the last step: this one is new
         checkpoint = save(end_step)
+    final_eval = held_out_eval(end_step)
     final = _merge_recent(recent)
     routing = _routing_summary(final.loads)
     state = _full_state(engine.module, ep)
@@ -265,6 +303,8 @@ def train(
         model_dir=model_dir,
         routing_plot=str(routing_plot) if routing_plot else None,
         active_parameters=active_parameters(model_cfg, parameters),
+        val_loss=final_eval,
+        evaluations=evaluations,
     )
 
 

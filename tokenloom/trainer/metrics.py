@@ -1,5 +1,9 @@
 """Run metrics: a JSON-lines log, a loss-curve PNG per modality and an expert-load heatmap, written by rank 0.
 
+The log holds a record per logging window (training losses, under "loss*") and one per held-out
+evaluation ("eval": "held-out", losses and target counts under "val_*"), so a reader of the
+training curve never mixes the two.
+
 A resumed run continues its run folder's log: records from steps before the resume point are kept
 and the rest (what the interrupted run logged after its last checkpoint) are dropped, so the log of
 a resumed run reads like the log of one that was never interrupted.
@@ -72,12 +76,19 @@ def plot_loss(records: list[dict], out: Path) -> Path | None:
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=120)
+    colors = {}
     for key, label in (("loss", "total"), ("loss_text", "text"), ("loss_image", "image"), ("loss_audio", "audio")):
         pts = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
         if pts:
-            ax.plot(*zip(*pts, strict=True), lw=1.2 if key == "loss" else 0.9, label=label)
+            (line,) = ax.plot(*zip(*pts, strict=True), lw=1.2 if key == "loss" else 0.9, label=label)
+            colors[key] = line.get_color()
+    # held-out evaluations (records with "eval"), as markers in the colour of the training curve
+    for key, label in (("loss", "total"), ("loss_text", "text"), ("loss_image", "image"), ("loss_audio", "audio")):
+        pts = [(r["step"], r[f"val_{key}"]) for r in records if r.get("eval") and r.get(f"val_{key}") is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o", ms=4, color=colors.get(key), label=f"{label} held-out")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
+    ax.set_ylabel("loss (nats/token): training, held-out")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

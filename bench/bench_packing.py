@@ -1,0 +1,179 @@
+"""Packing that keeps media whole: fill ratio (old chunk packer vs best-fit) and stream tokens/s.
+
+The data is demo-like: a third of the samples images (h, w in 4..14 codes, so each fits a
+256-position row with its start row), a fifth audio clips (25..200 frames of 2 codes, with a
+transcript), the rest text documents (log-normal lengths, median ~150 tokens, some longer than a
+row), laid out by `tokenizers.sequence` with a real vocabulary manifest, in Parquet shards of
+the shard contract's columns. The old packer is the stream module at git HEAD (concatenate and
+chunk), loaded from `git show`, when it is still there.
+
+Peers in the same run: fill ratio against the old packer and against 1.0 (the physical limit);
+tokens/s against a raw pyarrow read of the same files (the `tokens` and `segments` columns,
+tokens flattened to numpy), which is what any reader must do before packing.
+
+    .venv/bin/python bench/bench_packing.py [--samples 4000] [--rows 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tokenloom.catalog.schema import SEGMENT_TYPE
+from tokenloom.contract import PAD_MODALITY
+from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
+from tokenloom.datasets.stream import ROW_ID, sample_positions
+from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
+from tokenloom.tokenizers.vocab import VocabManifest
+
+SEQ_LEN, GROUP, AUDIO_WINDOW = 256, 2, 64
+
+
+def demo_like_shards(folder: Path, samples: int, files: int, seed: int = 0) -> list[ShardFile]:
+    manifest = VocabManifest.build(2048, visual_size=1024, audio_levels=GROUP, audio_codebook=256)
+    layout, rng = SampleLayout(manifest), np.random.default_rng(seed)
+    out = []
+    for f in range(files):
+        rows = []
+        for _ in range(samples // files):
+            u = rng.random()
+            caption = TextPart(rng.integers(0, manifest.text.size, int(rng.integers(5, 40))))
+            if u < 1 / 3:
+                h, w = (int(x) for x in rng.integers(4, 15, 2))
+                rows.append(layout.assemble([ImagePart(rng.integers(0, 1024, (h, w))), caption]))
+            elif u < 1 / 3 + 1 / 5:
+                rows.append(layout.assemble([AudioPart(rng.integers(0, 256, (int(rng.integers(25, 201)), GROUP))),
+                                             caption]))
+            else:
+                n = int(np.clip(rng.lognormal(np.log(150), 0.9), 4, 2000))
+                rows.append(layout.assemble([TextPart(rng.integers(0, manifest.text.size, n))]))
+        path = folder / f"shard{f}.parquet"
+        pq.write_table(pa.table({"tokens": pa.array([t.tolist() for t, _ in rows], pa.list_(pa.int32())),
+                                 "segments": pa.array([s for _, s in rows], pa.list_(SEGMENT_TYPE))}), path)
+        out.append(ShardFile(str(path), len(rows)))
+    return out
+
+
+def old_stream_module():
+    """tokenloom/datasets/stream.py at git HEAD (the concatenate-and-chunk packer), or None."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        source = subprocess.run(["git", "show", "HEAD:tokenloom/datasets/stream.py"], cwd=root, check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    if "StreamState(epoch, cursor, offset)" not in source:
+        return None  # HEAD already has the best-fit packer
+    path = Path(tempfile.mkdtemp()) / "old_stream.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("old_stream", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["old_stream"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def real_tokens(row: dict) -> int:
+    """Codes of the samples in a row: id slots in use at non-padding positions, less the start rows."""
+    keep = (row["modality"] != PAD_MODALITY) & (row["ids"][:, 0] != ROW_ID)
+    return int((row["ids"][keep] >= 0).sum())
+
+
+def fill(rows: list[dict]) -> float:
+    return float(np.mean([(r["modality"] != PAD_MODALITY).mean() for r in rows]))
+
+
+def old_packer(module, files, rows: int) -> tuple[float, int, float]:
+    """The old packer's fill ratio, how many media segments it cut across rows, and its tokens/s."""
+    t0 = time.perf_counter()
+    cfg = module.StreamConfig(seq_len=SEQ_LEN, group_size=GROUP, audio_window=AUDIO_WINDOW)
+    stream = module.TokenStream([module.ShardFile(f.path, f.num_rows) for f in files], cfg)
+    out, cut, seconds = [], 0, 0.0
+    for _ in range(rows):
+        out.append(stream.next_row())
+        seconds = time.perf_counter() - t0
+        st = stream.state
+        if st.offset:
+            tokens, segments = stream._raw(st.epoch, st.cursor)[0]
+            media = sample_positions(tokens, segments, GROUP, AUDIO_WINDOW).media
+            cut += any(a < st.offset < b for a, b in media)
+        t0 = time.perf_counter() - seconds  # the cut count is not the packer's time
+    return fill(out), cut, sum(real_tokens(r) for r in out) / seconds
+
+
+def stream_rate(files, cfg: StreamConfig, rows: int) -> tuple[float, float, int]:
+    """(fill ratio, tokens/s, skipped) of `rows` rows of a fresh stream, reading included."""
+    t0 = time.perf_counter()
+    stream = TokenStream(files, cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batches = stream.batches(8)
+        got = [next(batches) for _ in range(rows // 8)]
+    seconds = time.perf_counter() - t0
+    tokens = sum(real_tokens({k: v[b] for k, v in g.items()}) for g in got for b in range(8))
+    return float(np.mean([g["fill_ratio"].mean() for g in got])), tokens / seconds, stream.state.skipped
+
+
+def raw_pyarrow_rate(files) -> float:
+    t0 = time.perf_counter()
+    tokens = 0
+    for f in files:
+        table = pq.read_table(f.path, columns=["tokens", "segments"])
+        flat = table.column("tokens").combine_chunks().values.to_numpy(zero_copy_only=False)
+        table.column("segments").to_pylist()
+        tokens += len(flat)
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=4000)
+    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=1600)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        files = demo_like_shards(Path(tmp), args.samples, args.files)
+        flat_tokens = sum(pq.read_metadata(f.path).num_rows for f in files)
+        print(f"{flat_tokens} samples in {len(files)} shards, seq_len {SEQ_LEN}, rows {args.rows}")
+        old = old_stream_module()
+        if old is not None:
+            old_fill, old_cut, old_rate = old_packer(old, files, args.rows)
+            print(f"old chunk packer   fill {old_fill:.4f}  media segments cut across rows: {old_cut}  "
+                  f"{old_rate / 1e3:.1f} k tokens/s")
+        else:
+            old_fill = old_rate = None
+            print("old chunk packer   not reachable at git HEAD")
+        for window in (1, 16, 64, 128, 256):
+            cfg = StreamConfig(seq_len=SEQ_LEN, group_size=GROUP, audio_window=AUDIO_WINDOW, pack_window=window)
+            f, rate, skipped = stream_rate(files, cfg, args.rows)
+            ratio = f"  vs old {f / old_fill:.3f}x fill, {rate / old_rate:.3f}x tokens/s" if old_fill else ""
+            print(f"best-fit window {window:3d}  fill {f:.4f} (target >= 0.95: {f / 0.95:.3f}x){ratio}  "
+                  f"skipped {skipped}  {rate / 1e3:.1f} k tokens/s")
+        # tokens/s: the whole epoch through the stream (window 128) vs a raw pyarrow read of the same files
+        cfg = StreamConfig(seq_len=SEQ_LEN, group_size=GROUP, audio_window=AUDIO_WINDOW)
+        epoch_rows = int(sum(len(sample_positions(*s, GROUP, AUDIO_WINDOW)) for s in _samples(files)) / SEQ_LEN)
+        _, rate, _ = stream_rate(files, cfg, epoch_rows)
+        raw = max(raw_pyarrow_rate(files) for _ in range(3))
+        print(f"stream {rate / 1e6:.3f} M tokens/s  raw pyarrow read {raw / 1e6:.3f} M tokens/s  "
+              f"ratio {rate / raw:.3f}x (target >= 0.9x)")
+
+
+def _samples(files):
+    for f in files:
+        table = pq.read_table(f.path, columns=["tokens", "segments"])
+        for t, s in zip(table.column("tokens").to_pylist(), table.column("segments").to_pylist(), strict=True):
+            yield np.asarray(t, dtype=np.int32), s
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Best-fit packing: media never crosses a row, exact resume of the packing window, fill ratio.
+
+Samples are laid out by `tokenizers.sequence` (tests/multimodal_data.py). In the property test
+every code of sample k carries k (text id k, visual code k, audio codes k), so a document run
+of a row names its sample, and its cut points are checked against media spans computed here
+from the shard's `segments` column, not from the packer's own bookkeeping.
+"""
+
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from multimodal_data import LAYOUT, MANIFEST, audio_sample, image_sample, text_sample, write_shard
+
+from tokenloom.contract import MODALITY_IDS, PAD_MODALITY
+from tokenloom.datasets import StreamConfig, TokenStream
+from tokenloom.datasets.stream import ROW_ID, pack_row, sample_positions
+from tokenloom.model.unified import mask_indices
+from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
+
+IMAGE, AUDIO = MODALITY_IDS["image"], MODALITY_IDS["audio"]
+
+
+def _marked_sample(k, kind, size, caption):
+    """Sample k, every code of it carrying k: (kind, size) -> `<bos>... <eos>` by the shared layout."""
+    parts = [TextPart(np.full(caption, k))]
+    if kind == "image":
+        h, w = size
+        parts.insert(0, ImagePart(np.full((h, w), k)))
+    elif kind == "audio":
+        parts.insert(0, AudioPart(np.full((size[0], 2), k)))
+    return LAYOUT.assemble(parts)
+
+
+def _media_spans(segments):
+    """[start, stop) positions of each image/audio segment, from the shard's segments (independent
+    of the packer): an audio frame is one position, an h x w image is its start row and h rows."""
+    spans, p = [], 0
+    for seg in segments:
+        if seg["modality"] == "image":
+            h, w = seg["grid"]
+            n = (h + 1) * w
+        elif seg["modality"] == "audio":
+            n = seg["grid"][0]
+        else:
+            n = seg["length"]
+        if seg["modality"] != "text":
+            spans.append((p, p + n))
+        p += n
+    return spans
+
+
+def _sample_of(run_ids, run_mod):
+    """Which marked sample a document run comes from: any text, visual or audio code names it."""
+    for i, m in zip(run_ids, run_mod, strict=True):
+        if m == IMAGE and i != ROW_ID:
+            return int(i) - MANIFEST.visual.start
+        if m == AUDIO:
+            return int(i) - MANIFEST.audio[0].start
+        if MANIFEST.text.start <= i < MANIFEST.text.stop:
+            return int(i) - MANIFEST.text.start
+    return None
+
+
+sample_kinds = st.tuples(
+    st.sampled_from(["text", "image", "audio"]),
+    st.tuples(st.integers(1, 9), st.integers(1, 9)),  # image h, w; audio frames = the first
+    st.integers(1, 40),  # caption / transcript / text length
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kinds=st.lists(sample_kinds, min_size=2, max_size=40), seq_len=st.integers(8, 96),
+       pack_window=st.integers(1, 24), audio_window=st.sampled_from([2, 4, 64]), seed=st.integers(0, 3))
+def test_no_media_segment_is_split_across_rows(kinds, seq_len, pack_window, audio_window, seed):
+    samples = [_marked_sample(k, kind, size, cap) for k, (kind, size, cap) in enumerate(kinds)]
+    with tempfile.TemporaryDirectory() as tmp:
+        shard = write_shard(Path(tmp) / "s.parquet", samples)
+        stream = TokenStream([shard], StreamConfig(seq_len=seq_len, group_size=2, audio_window=audio_window,
+                                                   seed=seed, pack_window=pack_window))
+        fits = [all(b - a <= seq_len for a, b in _media_spans(s)) for _, s in samples]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if not any(fits):
+                with pytest.raises(ValueError, match="raise seq_len"):
+                    stream.next_row()
+                return
+            rows = [stream.next_row() for _ in range(len(kinds) // 2 + 1)]
+    reference = [sample_positions(t, s, 2, audio_window) for t, s in samples]
+    spans = [_media_spans(s) for _, s in samples]
+    for row in rows:
+        assert row["ids"].shape == (seq_len, 2)
+        mask_indices({k: torch.from_numpy(v)[None] for k, v in row.items()})  # FlashMask can express the row
+        real = row["modality"] != PAD_MODALITY
+        for doc in np.unique(row["doc_ids"][real]):
+            at = np.flatnonzero(real & (row["doc_ids"] == doc))
+            ids, mod, xyz = row["ids"][at, 0], row["modality"][at], row["coords"][at]
+            if mod[0] not in (IMAGE, AUDIO) and mod[-1] not in (IMAGE, AUDIO):
+                continue  # a run that starts and ends in text cannot cut a media segment
+            k = _sample_of(ids, mod)
+            assert k is not None, "a run of only an image's start row: the image was cut after it"
+            start = int(np.flatnonzero((reference[k].coords == xyz[0]).all(1))[0])
+            stop = start + len(at)
+            np.testing.assert_array_equal(reference[k].ids[start:stop, 0], ids)
+            for a, b in spans[k]:
+                assert not a < start < b and not a < stop < b, f"sample {k} cut inside media [{a}, {b})"
+            if reference[k].ends_row:  # windowed audio then its transcript: the row's last document
+                assert doc == row["doc_ids"].max()
+    # exactly the pulled samples whose media exceeds a row were skipped
+    pulled = stream.state.cursor if stream.state.epoch == 0 else None
+    if pulled is not None:
+        too_long = sum(any(b - a > seq_len for a, b in spans[k]) for k in range(pulled))
+        assert stream.state.skipped == too_long
+
+
+def _mixed_files(tmp_path, n_files=3):
+    rng = np.random.default_rng(5)
+    files = []
+    for f in range(n_files):
+        samples = []
+        for _ in range(9):
+            kind = rng.integers(3)
+            if kind == 0:
+                samples.append(image_sample(rng, int(rng.integers(1, 6)), int(rng.integers(2, 7)), int(rng.integers(1, 9))))
+            elif kind == 1:
+                samples.append(audio_sample(rng, int(rng.integers(2, 20)), int(rng.integers(1, 6))))
+            else:
+                samples.append(text_sample(rng, int(rng.integers(3, 90))))
+        files.append(write_shard(tmp_path / f"m{f}.parquet", samples))
+    return files
+
+
+def _batches(stream, n, bs=2):
+    it = stream.batches(bs)
+    return [next(it) for _ in range(n)]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("pack_window", [1, 16])
+def test_resume_equals_uninterrupted_with_the_packing_window(tmp_path, world, pack_window):
+    files = _mixed_files(tmp_path)
+    cfg = StreamConfig(seq_len=40, group_size=2, audio_window=4, seed=3, shuffle_window=2, pack_window=pack_window)
+    for rank in range(world):
+        expected = _batches(TokenStream(files, cfg, rank, world), 24)  # runs past the end of epoch 0
+        for stop in (1, 7, 15):
+            first = TokenStream(files, cfg, rank, world)
+            _batches(first, stop)
+            saved = first.state_dict()
+            assert pack_window == 1 or len(saved["pending"]) >= pack_window // 2  # the state really holds the window
+            resumed = TokenStream(files, cfg, rank, world)
+            resumed.load_state_dict(saved)
+            for want, got in zip(expected[stop:], _batches(resumed, 24 - stop), strict=True):
+                assert want.keys() == got.keys()
+                for key in want:
+                    np.testing.assert_array_equal(want[key], got[key])
+
+
+def test_state_from_the_chunk_packer_is_refused_with_a_reason(tmp_path):
+    stream = TokenStream(_mixed_files(tmp_path, 1), StreamConfig(seq_len=40, group_size=2))
+    with pytest.raises(ValueError, match="concatenate-and-chunk"):
+        stream.load_state_dict({"epoch": 0, "cursor": 3, "offset": 5})
+    with pytest.raises(ValueError, match="other data or stream settings"):
+        stream.load_state_dict({"epoch": 0, "cursor": 0, "skipped": 0, "pending": [[0, 0, 0, 10_000]]})
+
+
+def test_fill_ratio_of_hand_built_rows():
+    rng = np.random.default_rng(0)
+    seven, three = sample_positions(*text_sample(rng, 7), 2, 4), sample_positions(*text_sample(rng, 3), 2, 4)
+    image = sample_positions(*image_sample(rng, h=2, w=3, caption=2), 2, 4)  # <bos><boi> (1+2)x3 <eoi> 2 <eos>
+    assert len(image) == 15
+    rows = [pack_row([seven], 8), pack_row([three, three], 8), pack_row([image, three], 20), pack_row([seven], 7)]
+    from tokenloom.datasets.packing import fill_ratio
+
+    got = [float(fill_ratio(r["modality"][None])[0]) for r in rows]
+    assert got == [7 / 8, 6 / 8, 18 / 20, 1.0]
+    assert (rows[2]["modality"] == PAD_MODALITY).sum() == 2
+
+
+@pytest.mark.parametrize(("length", "seq_len", "want"), [(7, 8, 7 / 8), (3, 8, 6 / 8), (5, 10, 1.0)])
+def test_stream_yields_the_batch_fill_ratio(tmp_path, length, seq_len, want):
+    """Samples of one length, so the rows do not depend on the order: every row holds the same."""
+    rng = np.random.default_rng(1)
+    shard = write_shard(tmp_path / "t.parquet", [text_sample(rng, length) for _ in range(11)])
+    batch = next(TokenStream([shard], StreamConfig(seq_len=seq_len, pack_window=8)).batches(4))
+    assert batch["fill_ratio"].shape == (4,) and batch["fill_ratio"].dtype == np.float64
+    np.testing.assert_allclose(batch["fill_ratio"], want)
+    np.testing.assert_allclose(batch["fill_ratio"].mean(), (batch["modality"] != PAD_MODALITY).mean())
+
+
+def test_long_sample_is_cut_only_in_text_and_oversized_media_is_skipped_and_counted(tmp_path):
+    rng = np.random.default_rng(2)
+    long_text_image = LAYOUT.assemble([TextPart(rng.integers(0, 100, 30)), ImagePart(rng.integers(0, 100, (3, 4))),
+                                       TextPart(rng.integers(0, 100, 30))])  # 32 + 16 + 32 = 80 positions
+    huge_image = image_sample(rng, h=6, w=6)  # 42 image positions > 32
+    shard = write_shard(tmp_path / "l.parquet", [long_text_image, huge_image])
+    stream = TokenStream([shard], StreamConfig(seq_len=32, group_size=1, pack_window=4))
+    with pytest.warns(UserWarning, match="stream.seq_len to at least 42"):
+        rows = [stream.next_row() for _ in range(3)]
+    assert stream.state.skipped >= 1  # the huge image sample was pulled and skipped
+    # cut before and after the image (text only): three full rows, the whole (3 + 1) x 4 image in the middle one
+    assert [int((r["modality"] == IMAGE).sum()) for r in rows] == [0, 16, 0]
+    assert all((r["modality"] != PAD_MODALITY).all() for r in rows)
+    assert [int(r["coords"][0, 0]) for r in rows] == [0, 32, 32 + max(3 + 1, 4) + 16]  # coordinates carry on
