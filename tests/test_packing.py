@@ -19,7 +19,7 @@ from multimodal_data import LAYOUT, MANIFEST, audio_sample, image_sample, text_s
 
 from tokenloom.contract import MODALITY_IDS, PAD_MODALITY
 from tokenloom.datasets import StreamConfig, TokenStream
-from tokenloom.datasets.stream import ROW_ID, pack_row, sample_positions
+from tokenloom.datasets.stream import ROW_ID, EpochOrder, pack_row, sample_positions
 from tokenloom.model.unified import mask_indices
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
 
@@ -111,10 +111,12 @@ def test_no_media_segment_is_split_across_rows(kinds, seq_len, pack_window, audi
                 assert not a < start < b and not a < stop < b, f"sample {k} cut inside media [{a}, {b})"
             if reference[k].ends_row:  # windowed audio then its transcript: the row's last document
                 assert doc == row["doc_ids"].max()
-    # exactly the pulled samples whose media exceeds a row were skipped
+    # exactly the pulled samples whose media exceeds a row were skipped; they were pulled in the
+    # epoch's seeded order (one file, one rank: the permuted rows of its only window)
     pulled = stream.state.cursor if stream.state.epoch == 0 else None
     if pulled is not None:
-        too_long = sum(any(b - a > seq_len for a, b in spans[k]) for k in range(pulled))
+        order = EpochOrder([shard], seed, 0, StreamConfig().shuffle_window).windows[0][1]
+        too_long = sum(any(b - a > seq_len for a, b in spans[k]) for k in order[:pulled])
         assert stream.state.skipped == too_long
 
 

@@ -66,6 +66,10 @@ __all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "Shard
 ROW_ID = SPECIAL_TOKENS.index("<row>")  # the input id of an image's learned start row
 
 
+class NoSampleFits(ValueError):
+    """Every sample a rank streams has a media segment longer than a row."""
+
+
 @dataclass(frozen=True)
 class ShardFile:
     path: str  # URI or local path of a Parquet data file
@@ -370,7 +374,7 @@ class TokenStream:
             self._pull()
             in_a_row = 0 if len(self._window) > before else in_a_row + 1
             if in_a_row > self.samples_per_epoch(self._epoch) and not self._window:
-                raise ValueError(f"no sample of rank {self.rank} fits a row of stream.seq_len "
+                raise NoSampleFits(f"no sample of rank {self.rank} fits a row of stream.seq_len "
                                  f"{self.config.seq_len} (each has a media segment longer than that): raise seq_len")
         chosen = choose_row([p.stop - p.start for p, _ in self._window],
                             [s.ends_row for _, s in self._window], self.config.seq_len)

@@ -122,20 +122,21 @@ class ShardSink(Datasink):
             out.tokens = int(pc.sum(good.column("num_tokens")).as_py())
             out.stats = shard_stats(good)
         if bad.num_rows:
-            path = f"{base}/quarantine/{name}.parquet"
-            filesystem.create_dir(f"{base}/quarantine", recursive=True)
-            pq.write_table(bad, path, filesystem=filesystem)
-            out.quarantine_files.append(to_uri(self.location, path))
+            out.quarantine_files.append(self._side_file(filesystem, f"{base}/quarantine", name, bad))
             out.quarantined = bad.num_rows
             out.reasons.update(_reason_class(r) for r in bad.column("reason").to_pylist())
         if filtered.num_rows:
-            path = f"{base}/filtered/{name}.parquet"
-            filesystem.create_dir(f"{base}/filtered", recursive=True)
-            pq.write_table(filtered, path, filesystem=filesystem)
-            out.filtered_files.append(to_uri(self.location, path))
+            out.filtered_files.append(self._side_file(filesystem, f"{base}/filtered", name, filtered))
             out.filtered = filtered.num_rows
             out.filter_counts.update(filtered.column("filter").to_pylist())
         return out
+
+    def _side_file(self, filesystem, folder: str, name: str, table: pa.Table) -> str:
+        """A task's quarantine or filtered records as one Parquet file under `folder`; its URI."""
+        filesystem.create_dir(folder, recursive=True)
+        path = f"{folder}/{name}.parquet"
+        pq.write_table(table, path, filesystem=filesystem)
+        return to_uri(self.location, path)
 
     def _split(self, block: pa.Table) -> tuple[pa.Table, pa.Table, pa.Table, pa.Table]:
         """(shard rows, quarantine rows, the shard rows' dedup keys, filtered rows) of a block."""

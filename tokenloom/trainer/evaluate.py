@@ -29,7 +29,7 @@ import torch
 from tokenloom.catalog.uris import filesystem_and_path
 from tokenloom.contract import MODALITIES
 from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
-from tokenloom.datasets.stream import EpochOrder
+from tokenloom.datasets.stream import EpochOrder, NoSampleFits
 from tokenloom.model.elastic import SubModel
 from tokenloom.model.unified import UnifiedModel, mask_indices
 
@@ -95,10 +95,15 @@ def evaluate(model: UnifiedModel, files: Sequence[ShardFile], stream_cfg: Stream
         stream = TokenStream(members, stream_cfg, rank=rank, world_size=world_size)
         rows = stream.batches(micro_batch_size)
         for _ in range(batches):
-            used_up = torch.tensor([float(stream.state.epoch > 0)])
-            if float(_all_reduce(used_up, world_size, torch.distributed.ReduceOp.MAX if world_size > 1 else None)):
+            raw = None
+            if stream.state.epoch == 0:  # else the split was read through: this mix is done
+                # NoSampleFits: e.g. an audio-only mix whose clips are all longer than a row
+                with contextlib.suppress(NoSampleFits):
+                    raw = next(rows)
+            # every rank stops together when one has nothing (a lone rank would hang the reduce)
+            stop = torch.tensor([float(raw is None)])
+            if float(_all_reduce(stop, world_size, torch.distributed.ReduceOp.MAX if world_size > 1 else None)):
                 break
-            raw = next(rows)
             raw.pop("fill_ratio", None)  # a packing figure, not a model input
             batch = {k: torch.from_numpy(v).to(device=device, dtype=torch.long) for k, v in raw.items()}
             with autocast or contextlib.nullcontext():
