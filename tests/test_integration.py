@@ -194,16 +194,6 @@ def test_expert_parallel_training_over_two_processes(demo_home, tmp_path):
     # (rows of 256 hold the tiny demo's images and clips whole, so each modality is held out)
 
     def launch(name: str, world: int, *extra: str) -> dict:
-        # one retry for an intermittent gloo abort seen once in ~30 launches ("Received data size
-        # doesn't match expected size"; open in #7's note): any other failure, or a second one, fails
-        try:
-            return launch_once(name, world, *extra)
-        except AssertionError as exc:
-            if "gloo::EnforceNotMet" not in str(exc):
-                raise
-            return launch_once(name + "-retry", world, *extra)
-
-    def launch_once(name: str, world: int, *extra: str) -> dict:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

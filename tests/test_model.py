@@ -314,3 +314,21 @@ def test_deployment_tiers_cut_layers_experts_and_top_k():
         sub.check(cfg)
     with pytest.raises(ValueError, match="tier must be one of"):
         tier_submodel(cfg, "tiny")
+
+
+@pytest.mark.parametrize("kind", ["image", "text"])
+def test_every_parameter_gets_a_gradient_whatever_the_batch_holds(samples, kind):
+    """Regression for the gloo abort of 2-rank runs ("Received data size doesn't match expected
+    size"): a rank whose batch had no audio target or no pair of text targets skipped the level
+    heads or the MTP head, those parameters got no gradient there, ZeRO's reduce buckets then
+    differed between ranks and the collective aborted. Every parameter must get a gradient, zero
+    if need be, from any batch."""
+    rng = np.random.default_rng(1)
+    only = [image_sample(rng)] if kind == "image" else [text_sample(rng, 12)]
+    model = _model(mtp=True)
+    loss, parts = model.loss(_batch(_row(only)))
+    loss.backward()
+    assert float(parts["count_audio"]) == 0
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert missing == []
+    assert all(float(p.grad.abs().sum()) == 0 for p in model.level_heads.parameters())

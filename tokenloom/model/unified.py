@@ -224,8 +224,11 @@ class UnifiedModel(nn.Module):
         for m, name in enumerate(MODALITIES):
             sel = tm == m
             sums[name], counts[name] = ce[sel].sum(), sel.sum()
+        # The level heads and the MTP head run on every rank and step, on no rows if need be: under
+        # ZeRO a parameter that gets no gradient on one rank shortens that rank's reduce bucket, and
+        # the ranks' collectives then disagree in size (the gloo "data size doesn't match" abort).
         audio = tmod == MODALITY_IDS["audio"]
-        if audio.any() and len(self.level_heads):
+        if len(self.level_heads):
             h_a, lab = h[audio], labels[audio]  # [Na, D], [Na, G]
             cond = h_a
             level_ce = []
@@ -256,12 +259,11 @@ class UnifiedModel(nn.Module):
         position predicts the row below, whose next row may sit in its own row's view (a leak)."""
         text = tmod == MODALITY_IDS["text"]
         ok = text[:, :-1] & text[:, 1:]  # i+1 and i+2 are the next two text tokens of one sample
-        if not ok.any():
-            return h.new_zeros((), dtype=torch.float32)
         h_i = h[:, :-1][ok]
         nxt = self.embed(labels[:, :-1, 0][ok])
-        z = self.mtp(h_i, nxt)
-        return F.cross_entropy(self.head(z).float(), labels[:, 1:, 0][ok])
+        z = self.mtp(h_i, nxt)  # on no rows when there is no pair: every rank's head gets a gradient
+        ce = F.cross_entropy(self.head(z).float(), labels[:, 1:, 0][ok], reduction="sum")
+        return ce / ok.sum().clamp_min(1)
 
     # -- routing statistics and balancing -------------------------------------------------
     def routing_loads(self) -> torch.Tensor:
