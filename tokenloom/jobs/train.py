@@ -78,30 +78,64 @@ def _owning_run(checkpoint: Path | None) -> Path | None:
     return run if (run / "config.json").is_file() else None
 
 
+def initial_weights(home: Home, ref: str | Path, cfg, vocab) -> tuple[dict, dict]:
+    """`--init-from`: a trained model's weights and where they came from, for a new run on a dataset
+    whose manifest is the model's token space (the same manifest, or one that extends it with the
+    same size: a model cannot read ids it has no embedding for). The run takes the model's
+    architecture (`cfg.model` is replaced; its elastic settings are kept from the run's config)."""
+    from dataclasses import replace
+
+    from tokenloom.model.io import load_model
+    from tokenloom.tokenizers.vocab import VocabManifest
+    from tokenloom.trainer.fit import check_model_fits
+
+    path = Path(ref)
+    if len(path.parts) == 1 and (home.runs / path).is_dir():
+        path = home.runs / path
+    folder = model_folder(path)
+    model, doc = load_model(folder)
+    if "vocab" in doc:
+        theirs = VocabManifest.from_dict(doc["vocab"])
+        if theirs.id != vocab.id and not theirs.is_prefix_of(vocab):
+            raise ValueError(f"--init-from {ref}: the model was trained on vocabulary {theirs.id}, which the "
+                             f"dataset's manifest {vocab.id} does not extend; its ids would mean other tokens")
+    check_model_fits(model.cfg, vocab.size, [(r.start, r.stop) for r in vocab.audio],
+                     f"the dataset's manifest {vocab.id} (--init-from {ref})")
+    cfg.model = replace(model.cfg, elastic=cfg.model.elastic)
+    state = {k: v for k, v in model.state_dict().items()}
+    return state, {"model": str(folder.resolve()), "steps": doc.get("steps")}
+
+
 def train(home: Home, dataset: str, cfg, at: str | None = None, progress: bool = True, run_name: str | None = None,
-          resume_from: str | Path | None = None, refuse_existing: bool = False):
+          resume_from: str | Path | None = None, refuse_existing: bool = False, init_from: str | Path | None = None):
     """Train on a snapshot: (snapshot id, trainer.TrainResult). `resume_from`: see `resume_point`;
-    `refuse_existing`: see `run_folder`."""
+    `refuse_existing`: see `run_folder`; `init_from`: a model folder or run (`initial_weights`)
+    whose weights start a new run."""
     from tokenloom.trainer import train as run_training
     from tokenloom.trainer.fit import fit_to_vocabulary
 
+    if init_from is not None and resume_from is not None:
+        raise ValueError("--init-from starts a new run from a model's weights, --resume continues a run: give one")
     checkpoint = resume_point(home, resume_from) if resume_from is not None else None
     run_dir = run_folder(home, dataset, run_name, checkpoint, refuse_existing)
     catalog, summary, vocab = _snapshot(home, cfg, dataset, at, "train on")
+    init_state, init_doc = initial_weights(home, init_from, cfg, vocab) if init_from is not None else (None, None)
     fit_to_vocabulary(cfg.model, cfg.stream, vocab.size, [(r.start, r.stop) for r in vocab.audio])
     if not cfg.train.warmup_steps:
         log.info("train.warmup_steps is not set: warming up over %d of %d steps (10%% of the run)",
                  cfg.train.warmup, cfg.train.steps)
     files = shard_files(catalog, dataset, summary["snapshot_id"])
     provenance = {"dataset": dataset, "snapshot_ids": [summary["snapshot_id"]], "vocab_id": vocab.id,
-                  "bundle_ids": dict(sorted(vocab.bundles.items())), "code_version": code_version()}
+                  "bundle_ids": dict(sorted(vocab.bundles.items())), "code_version": code_version(),
+                  **({"init_from": init_doc} if init_doc else {})}
     result = run_training(files, cfg.model, cfg.stream, cfg.train, run_dir, resume_from=checkpoint, progress=progress,
-                          provenance=provenance)
+                          provenance=provenance, init_state=init_state)
     if int(os.environ.get("RANK", "0")) == 0:  # every rank trains in rank 0's run folder (the loop broadcasts it)
         from tokenloom.model.io import annotate_model
 
         (Path(result.run_dir) / "source.json").write_text(json.dumps(
-            {"dataset": dataset, "snapshot_id": summary["snapshot_id"], "vocab_id": vocab.id}, indent=2))
+            {"dataset": dataset, "snapshot_id": summary["snapshot_id"], "vocab_id": vocab.id,
+             **({"init_from": init_doc} if init_doc else {})}, indent=2))
         if result.model_dir:  # the token space travels with the model: generation reads it from here
             annotate_model(result.model_dir, **generation_facts(vocab, cfg.stream))
     return summary["snapshot_id"], result

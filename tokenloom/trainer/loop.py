@@ -119,11 +119,14 @@ def train(
     resume_from: Path | None = None,
     progress: bool = True,
     provenance: dict | None = None,
+    init_state: dict[str, torch.Tensor] | None = None,
 ) -> TrainResult:
     """Train for `train_cfg.steps` (or up to `stop_after`), from step 0 or from the checkpoint
     `resume_from` (a checkpoint folder, a run's `checkpoint/` folder or a run folder: its newest
     complete checkpoint). `provenance`: what the job knows of the data and code (dataset, snapshot
-    id, vocabulary id, bundle ids, code version), written into every checkpoint's manifest."""
+    id, vocabulary id, bundle ids, code version), written into every checkpoint's manifest.
+    `init_state`: a trained model's state dict to start from (`--init-from`, fine-tuning); a resumed
+    checkpoint's weights replace it."""
     import deepspeed
 
     train_cfg.validate()
@@ -136,6 +139,8 @@ def train(
         torch.distributed.broadcast_object_list(holder, src=0)
         run_dir = Path(holder[0])
     model = UnifiedModel(model_cfg)
+    if init_state is not None:  # before expert parallel slices the experts: the state holds all of them
+        model.load_state_dict(init_state)
     parameters = sum(p.numel() for p in model.parameters())
     ep = train_cfg.expert_parallel
     if ep > 1:  # before the optimizer and engine exist: this replaces the expert weights by local slices
