@@ -54,8 +54,10 @@ def test_warmup_follows_the_run_length_unless_set():
 def test_recipes_load_by_name_and_differ_from_the_defaults():
     from tokenloom.jobs.config import RECIPES, RunConfig
 
-    assert sorted(p.stem for p in RECIPES.glob("*.toml")) == ["demo", "gpu", "tiny"]
+    assert sorted(p.stem for p in RECIPES.glob("*.toml")) == ["demo", "finetune", "gpu", "tiny"]
     assert load_run_config("gpu").model.moe.n_experts == 64
+    finetune = load_run_config("finetune").train  # the seed's fine-tuning defaults
+    assert (finetune.lr, finetune.weight_decay, finetune.grad_clip, finetune.checkpoint_every) == (2e-5, 0.01, 1.0, 50)
     tiny, demo = load_run_config("tiny"), load_run_config(RECIPES / "demo.toml")
     assert (tiny.model.dim, tiny.train.steps, tiny.demo.corpus_bytes) == (64, 30, 400_000)
     assert (demo.model.dim, demo.train.steps, demo.text_tokenizer.vocab_size) == (128, 300, 2048)

@@ -31,6 +31,9 @@ class TrainConfig:
     # held-out loss per modality at every checkpoint and at the end, when stream.holdout > 0:
     # this many batches per modality mix (trainer.evaluate; 0: off)
     eval_batches: int = 4
+    # "adamw" (torch) or "lazy_adamw" (trainer.optim: an element whose gradient is exactly 0 in a step,
+    # e.g. a layer the elastic sub-model skipped, gets no moment decay, weight decay or update)
+    optimizer: str = "adamw"
 
     def validate(self) -> None:
         if self.steps < 1 or self.micro_batch_size < 1 or self.grad_accum < 1:
@@ -48,6 +51,8 @@ class TrainConfig:
             raise ValueError(f"train.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.eval_batches < 0:
             raise ValueError(f"train.eval_batches must be >= 0 (0: no held-out evaluation), got {self.eval_batches}")
+        if self.optimizer not in ("adamw", "lazy_adamw"):
+            raise ValueError(f"train.optimizer must be adamw or lazy_adamw, got {self.optimizer!r}")
         if self.expert_parallel < 1:
             raise ValueError(f"train.expert_parallel must be >= 1, got {self.expert_parallel}")
         if self.expert_parallel > 1 and self.zero_stage not in (1, 2):

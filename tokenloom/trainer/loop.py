@@ -150,7 +150,12 @@ def train(
         groups = optimizer_param_groups(model, train_cfg.weight_decay)
     else:
         groups = _param_groups(model, train_cfg.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=train_cfg.betas)
+    if train_cfg.optimizer == "lazy_adamw":  # DeepSpeed wraps it and hands it flat fp32 partitions
+        from tokenloom.trainer.optim import LazyAdamW
+
+        optimizer = LazyAdamW(groups, lr=train_cfg.lr, betas=train_cfg.betas)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=train_cfg.betas)
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=train_cfg.deepspeed_config())
     stream = TokenStream(files, stream_cfg, rank=rank, world_size=world)
