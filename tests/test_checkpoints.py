@@ -5,6 +5,7 @@ holds the number of checkpoints; resuming what has no checkpoint is one line and
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -242,13 +243,15 @@ def test_fine_tuning_starts_from_the_model_it_is_given(docs_home, monkeypatch):
                                "stream.holdout=0.25",  # the tiny recipe's split: the same first batch
                                home=home))
         tuned = _document(run("train", "--dataset", "docs", "--init-from", str(runs / "ft-base" / "model"),
-                              "--run", "ft-init", *small, home=home))
+                              "--run", "ft-init", *small, "train.optimizer=lazy_adamw", home=home))
     finally:
         if torch.distributed.is_initialized():
             destroy_process_group()
     # all three read the same first batch: the fresh model's loss on it, then the trained model's twice
     assert frozen["first_loss"] == pytest.approx(tuned["first_loss"], rel=1e-6)
     assert base["first_loss"] - tuned["first_loss"] > 0.3  # measured: 6.435 fresh, 5.799 trained
+    assert len(tuned["losses"]) == 30 and all(map(math.isfinite, tuned["losses"]))  # lazy AdamW through DeepSpeed
+    assert json.loads((runs / "ft-init" / "config.json").read_text())["train"]["optimizer"] == "lazy_adamw"
     weights = load_file(runs / "ft-lr0" / "model" / "model.safetensors")
     for key, value in load_file(runs / "ft-base" / "model" / "model.safetensors").items():
         if not key.endswith("expert_bias"):  # the routers' bias steps by expert load, not by lr

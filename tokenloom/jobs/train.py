@@ -102,8 +102,7 @@ def initial_weights(home: Home, ref: str | Path, cfg, vocab) -> tuple[dict, dict
     check_model_fits(model.cfg, vocab.size, [(r.start, r.stop) for r in vocab.audio],
                      f"the dataset's manifest {vocab.id} (--init-from {ref})")
     cfg.model = replace(model.cfg, elastic=cfg.model.elastic)
-    state = {k: v for k, v in model.state_dict().items()}
-    return state, {"model": str(folder.resolve()), "steps": doc.get("steps")}
+    return model.state_dict(), {"model": str(folder.resolve()), "steps": doc.get("steps")}
 
 
 def train(home: Home, dataset: str, cfg, at: str | None = None, progress: bool = True, run_name: str | None = None,
