@@ -88,8 +88,12 @@ def test_training_improves_and_resume_is_exact(tmp_path, speech):
     full = train_audio(train, held, cfg, store, tmp_path / "full", progress=False, device="cpu")
     assert full.steps == 8 and set(full.heldout["by_levels"]) == {1, 2, 4}
     lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in lines if "loss" in r]
-    assert losses[-1] < losses[0], "the loss falls"
+    assert len([r["loss"] for r in lines if "loss" in r]) == 8
+    # one random 0.25 s segment per step makes the training loss too noisy to compare step to step;
+    # the held-out mel distance is measured on fixed clips (seeds 0-2: 1 step ~2.0, 8 steps ~1.55)
+    one = train_audio(train, held, replace(cfg, steps=1), tmp_path / "b1", tmp_path / "one", progress=False,
+                      device="cpu")
+    assert full.heldout["mel"] < 0.9 * one.heldout["mel"], "training improves held-out reconstruction"
     assert (tmp_path / "full" / "eval-final" / "spectrograms.png").stat().st_size > 5000
     assert len(list((tmp_path / "full" / "eval-final").glob("*.wav"))) == 4
     run = tmp_path / "run"
