@@ -244,6 +244,9 @@ def test_fine_tuning_starts_from_the_model_it_is_given(docs_home, monkeypatch):
                                home=home))
         tuned = _document(run("train", "--dataset", "docs", "--init-from", str(runs / "ft-base" / "model"),
                               "--run", "ft-init", *small, "train.optimizer=lazy_adamw", home=home))
+        # progressive unfreezing: in its first 10 steps only the last layer (and the final norm) trains
+        _document(run("finetune", "ft-base", "--dataset", "docs", "--run", "ft-unfreeze", "--steps", "3", "--json",
+                      "--unfreeze-every", "10", "train.lr=1e-3", "train.log_every=1", home=home))
     finally:
         if torch.distributed.is_initialized():
             destroy_process_group()
@@ -262,6 +265,15 @@ def test_fine_tuning_starts_from_the_model_it_is_given(docs_home, monkeypatch):
     assert json.loads((runs / "ft-lr0" / "source.json").read_text())["init_from"]["model"] == str(
         (runs / "ft-base" / "model").resolve())
 
+    base_weights = load_file(runs / "ft-base" / "model" / "model.safetensors")
+    unfrozen = load_file(runs / "ft-unfreeze" / "model" / "model.safetensors")
+    assert torch.equal(unfrozen["embed.weight"], base_weights["embed.weight"]), "the embedding is unfrozen last"
+    moved = [k for k in base_weights if k.startswith("blocks.0.") and not k.endswith("expert_bias")
+             and not torch.equal(unfrozen[k], base_weights[k])]
+    assert moved, "the last layer trains from the first step"
+    records = [json.loads(x) for x in (runs / "ft-unfreeze" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["unfrozen_groups"] for r in records if "unfrozen_groups" in r] == [1, 1, 1]
+
     other = home / "other-model"
     shutil.copytree(runs / "ft-base" / "model", other)
     doc = json.loads((other / "model.json").read_text())
@@ -269,3 +281,168 @@ def test_fine_tuning_starts_from_the_model_it_is_given(docs_home, monkeypatch):
     (other / "model.json").write_text(json.dumps(doc))
     refused = run("train", "--dataset", "docs", "--init-from", str(other), *small, home=home)
     assert refused.returncode == 2 and "--init-from" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+def _rows(run: Path) -> list[tuple[int, int, int]]:
+    """(step, global row, CRC of the row's ids and labels) of every row a run trained on, in order."""
+    records = map(json.loads, (run / "rows.jsonl").read_text().splitlines())
+    return [(r["step"], r["row"], r["crc"]) for r in records]
+
+
+@pytest.mark.integration
+def test_a_run_saved_on_two_ranks_resumes_on_one_and_back_with_the_same_rows(docs_home, tmp_path):
+    """The canonical readers fix the rows whatever the number of ranks: a run stopped at step 3 on
+    2 ranks and resumed on 1 (and the reverse) trains on exactly the rows, step by step, of an
+    uninterrupted 1-rank run with the same rows per step (2 x 1 = 1 x 2); DeepSpeed's ZeRO shards
+    of the other rank count are converted to its universal checkpoint on the way."""
+    from cli_runner import launch_ranks
+
+    home, runs, steps = docs_home, docs_home / "runs", 6
+    common = ["train", "--dataset", "docs", "--home", str(home), "--config", "tiny", "--steps", str(steps), "--json",
+              "model.dim=32", "model.n_layers=1", "model.n_heads=1", "model.moe.n_experts=4", "stream.seq_len=64",
+              "train.warmup_steps=1", "train.log_rows=true", "stream.readers=2", "train.eval_batches=0"]
+
+    def rows_per_rank(world: int) -> list[str]:
+        return [f"train.micro_batch_size={2 // world}"]
+
+    straight = launch_ranks([*common, "--run", "ws-straight", *rows_per_rank(1)], 1, tmp_path, "straight")
+    expected = _rows(runs / "ws-straight")
+    assert [s for s, _, _ in expected] == [s for s in range(steps) for _ in range(2)]
+    assert [g for _, g, _ in expected] == list(range(2 * steps))
+    for first, then in ((2, 1), (1, 2)):
+        name = f"ws-{first}-{then}"
+        launch_ranks([*common, "--run", name, "train.stop_after=3", *rows_per_rank(first)], first, tmp_path, name)
+        resumed = launch_ranks([*common, "--resume", name, *rows_per_rank(then)], then, tmp_path, f"{name}-resumed")
+        assert resumed["world_size"] == then and resumed["steps"] == steps - 3
+        assert _rows(runs / name) == expected, f"saved on {first} rank(s), resumed on {then}"
+        # the optimizer's state came through the conversion: the resumed losses follow the straight run's
+        assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-3)
+        assert (runs / name / checkpoints.ROOT / checkpoints.tag(3) / checkpoints.UNIVERSAL).is_dir()
+
+
+STAGED = """
+[model]
+dim = 32
+n_layers = 1
+n_heads = 1
+[model.moe]
+n_experts = 4
+[stream]
+seq_len = 64
+holdout = 0.25
+[train]
+steps = 6
+micro_batch_size = 4
+warmup_steps = 1
+log_every = 1
+log_rows = true
+eval_batches = 0
+[[train.stages]]
+steps = 3
+seq_len = 64
+[[train.stages]]
+steps = 3
+seq_len = 128
+rope_theta = 20000.0
+"""
+
+
+@pytest.mark.integration
+def test_a_stage_switch_changes_the_row_length_and_resumes_exactly_across_it(docs_home, tmp_path, monkeypatch):
+    """Two stages (64 then 128 positions per row, rows per micro-batch 4 then 2: the same positions
+    per step); runs stopped before the switch (step 2) and at it (step 3) and resumed end with the
+    uninterrupted run's losses and rows."""
+    import torch
+    from cli_runner import run
+
+    from tokenloom.model.io import load_model
+
+    home, runs = docs_home, docs_home / "runs"
+    recipe = tmp_path / "staged.toml"
+    recipe.write_text(STAGED)
+    args = ["train", "--dataset", "docs", "--config", str(recipe), "--json"]
+    _one_rank(monkeypatch)
+    try:
+        straight = _document(run(*args, "--run", "staged", home=home))
+        stopped = {}
+        for stop in (2, 3):
+            run(*args, "--run", f"staged-{stop}", f"train.stop_after={stop}", home=home)
+            stopped[stop] = _document(run(*args, "--resume", f"staged-{stop}", home=home))
+    finally:
+        if torch.distributed.is_initialized():
+            destroy_process_group()
+    rows = _rows(runs / "staged")
+    per_step = [sum(1 for s, _, _ in rows if s == step) for step in range(6)]
+    assert per_step == [4, 4, 4, 2, 2, 2], "rows per micro-batch follow the stage's row length"
+    records = [json.loads(x) for x in (runs / "staged" / "metrics.jsonl").read_text().splitlines()]
+    switch = [r for r in records if "seq_len" in r]
+    assert [(r["step"], r["stage"], r["seq_len"], r["rows_per_micro_batch"]) for r in switch] == [(3, 1, 128, 2)]
+    logged = [json.loads(x) for x in (runs / "staged" / "rows.jsonl").read_text().splitlines()]
+    assert max(r["positions"] for r in logged if r["step"] < 3) <= 64 < max(
+        r["positions"] for r in logged if r["step"] >= 3), "rows of the second stage are longer"
+    for stop, resumed in stopped.items():
+        assert resumed["steps"] == 6 - stop and resumed["stage"] == 1
+        assert resumed["losses"] == pytest.approx(straight["losses"][stop:], rel=1e-6, abs=1e-6), f"stopped at {stop}"
+        assert _rows(runs / f"staged-{stop}") == rows
+    model, _ = load_model(runs / "staged" / "model")
+    assert model.cfg.rope_theta == 20000.0, "the last stage's RoPE base is the model's"
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.mark.integration
+def test_follow_mode_trains_once_on_a_snapshot_ingested_during_the_run(docs_home, tmp_path, text_bundle):
+    """`train --follow` while `ingest` commits new documents to the dataset: the new snapshot becomes
+    a segment from the step the trainer saw it, every new token is trained exactly once (the rows
+    of the segment hold exactly the new samples' tokens), and the rows before it are the ones the
+    run would have read anyway."""
+    home, runs = docs_home, docs_home / "runs"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    words = ["loom", "weave", "shuttle", "heddle", "warp", "weft", "bobbin", "treadle"]
+    (fresh / "fresh.jsonl").write_text("".join(json.dumps({"text": f"Follow-mode document {i}: " + " ".join(
+        words[(i + k) % len(words)] for k in range(12 + i))}) + "\n" for i in range(24)))
+    env = {**_clean_env(home), "OMP_NUM_THREADS": "1"}
+    run_dir = runs / "follow"
+    train_args = ["train", "--dataset", "docs", "--run", "follow", "--follow", *SMALL[:2], "--steps", "5000", "--json",
+                  "model.dim=32", "model.n_layers=1", "model.n_heads=1", "model.moe.n_experts=4", "stream.seq_len=64",
+                  "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every=1", "train.follow_every=1",
+                  "train.log_rows=true", "train.eval_batches=0", "stream.holdout=0"]  # every new sample trains
+    with open(tmp_path / "train.err", "w") as err:
+        trainer = subprocess.Popen([sys.executable, "-m", "tokenloom.cli", *train_args], stdout=subprocess.DEVNULL,
+                                   stderr=err, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while max((r["step"] for r in _records(run_dir / "rows.jsonl")), default=-1) < 3:
+            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "train.err").read_text()[-3000:]
+            time.sleep(0.2)
+        ingest = subprocess.run([sys.executable, "-m", "tokenloom.cli", "ingest", str(fresh), "--dataset", "docs",
+                                 "--tokenizer", text_bundle.id, "--json", "--set", "ingest.ray.progress_bars=false"],
+                                capture_output=True, text=True, timeout=600, env=env)
+        assert ingest.returncode == 0, ingest.stderr[-3000:]
+        snapshot = json.loads(ingest.stdout)["snapshot_id"]
+        while True:  # until the segment is read to its end and a few steps after it
+            rows = _records(run_dir / "rows.jsonl")
+            seen = [r["step"] for r in rows if r["segment"] == snapshot]
+            if seen and rows[-1]["step"] >= max(seen) + 5:
+                break
+            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "train.err").read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=60)
+    follows = [r["follow"] for r in _records(run_dir / "metrics.jsonl") if "follow" in r]
+    assert [f["snapshot_id"] for f in follows] == [snapshot] and follows[0]["files"] >= 1
+    first = min(r["step"] for r in rows if r["segment"] == snapshot)
+    assert first == follows[0]["step"], "the segment starts at the step the trainer saw the snapshot"
+    # the new samples' tokens, from the catalog (text only: a token is a position)
+    from tokenloom.catalog import CatalogConfig, TokenCatalog
+
+    job = json.loads(ingest.stdout)["job_id"]
+    new_tokens = sum(TokenCatalog(CatalogConfig(), home).scan("docs", where=f"job_id = '{job}'",
+                                                               columns=("num_tokens",))["num_tokens"].to_pylist())
+    assert new_tokens > 0
+    assert sum(r["positions"] for r in rows if r["segment"] == snapshot) == new_tokens, "exactly once"
+    assert all(r["segment"] == -1 for r in rows if r["step"] < first)

@@ -142,3 +142,25 @@ def test_without_a_held_out_split_every_figure_is_none_with_the_reason(tmp_path,
 def test_eval_batches_must_not_be_negative():
     with pytest.raises(ValueError, match="train.eval_batches must be >= 0"):
         TrainConfig(eval_batches=-1).validate()
+
+
+def test_a_mixture_trains_each_source_by_its_weight_and_counts_its_targets(tmp_path, one_rank):
+    """Two sources 0.8 / 0.2 through the trainer: each row's source follows the weights, the targets
+    counted per source add up to every target trained, and each source's count is what its rows hold."""
+    from tokenloom.datasets.loader import Source
+    from tokenloom.trainer import train
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b", with_audio=False)
+    result = train([Source("a", tuple(a), 0.8), Source("b", tuple(b), 0.2)], _model_cfg(), _stream_cfg(0.0),
+                   _train_cfg(steps=25, eval_batches=0, checkpoint_every=0, log_rows=True), tmp_path / "run",
+                   progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "rows.jsonl").read_text().splitlines()]
+    assert len(rows) == 25 * MICRO
+    share = np.mean([r["source"] == "a" for r in rows])
+    assert 0.65 < share < 0.95, share  # 100 rows drawn at 0.8
+    assert set(result.tokens_by_source) == {"a", "b"} and min(result.tokens_by_source.values()) > 0
+    assert sum(result.tokens_by_source.values()) == result.tokens_seen
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if "tokens_by_source" in r][-1]["tokens_by_source"] == result.tokens_by_source

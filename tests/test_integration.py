@@ -147,20 +147,6 @@ def test_every_good_record_is_committed_exactly_once(demo_home):
     assert (int(job["filtered"]), int(job["duplicates"])) == (len(filtered), len(duplicates))
 
 
-def test_training_resumes_exactly_from_its_checkpoint(demo_home):
-    home, _ = demo_home
-    small = ["model.dim=32", "model.n_layers=1", "model.n_heads=1", "stream.seq_len=64", "train.warmup_steps=1",
-             "train.micro_batch_size=2"]
-    straight = _cli("train", "--dataset", "stdlib-docs", "--steps", "6", "--json", *small, home=home)
-    first = _cli("train", "--dataset", "stdlib-docs", "--steps", "6", "--json", *small, "train.stop_after=3",
-                 home=home)
-    second = _cli("train", "--dataset", "stdlib-docs", "--steps", "6", "--resume", first["checkpoint"], "--json",
-                  *small, home=home)
-    assert (first["steps"], second["steps"]) == (3, 3)
-    assert first["losses"] == pytest.approx(straight["losses"][:3], rel=1e-6)
-    assert second["losses"] == pytest.approx(straight["losses"][3:], rel=1e-5)
-
-
 def test_catalog_tag_stats_verify_and_query_from_the_command_line(demo_home):
     home, s = demo_home
     tagged = _local("catalog", "tag", "stdlib-docs", "demo-v1", "--json", home=home)
@@ -179,9 +165,8 @@ def test_catalog_tag_stats_verify_and_query_from_the_command_line(demo_home):
 def test_expert_parallel_training_over_two_processes(demo_home, tmp_path):
     """`tokenloom train` as 2 ranks with the experts split over them: it finishes, exports the
     whole model, and trains exactly as 2 data-parallel ranks holding every expert."""
-    import socket
-
     import torch
+    from cli_runner import launch_ranks
 
     from tokenloom.model.io import load_model
 
@@ -194,27 +179,7 @@ def test_expert_parallel_training_over_two_processes(demo_home, tmp_path):
     # (rows of 256 hold the tiny demo's images and clips whole, so each modality is held out)
 
     def launch(name: str, world: int, *extra: str) -> dict:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs, logs = [], []
-        for rank in range(world):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-            out, err = tmp_path / f"{name}.{rank}.out", tmp_path / f"{name}.{rank}.err"
-            logs.append((out, err))
-            with out.open("w") as o, err.open("w") as e:
-                procs.append(subprocess.Popen([sys.executable, "-m", "tokenloom.cli", *args, *extra], env=env,
-                                              stdout=o, stderr=e))
-        try:
-            codes = [p.wait(timeout=300) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        for rank, code in enumerate(codes):
-            assert code == 0, f"{name}: rank {rank} of {world} exited with {code}:\n{logs[rank][1].read_text()[-3000:]}"
-        return json.loads(logs[0][0].read_text())  # rank 0's document
+        return launch_ranks([*args, *extra], world, tmp_path, name)
 
     # DeepSpeed's shm op is built by `make` (the Makefile), before any test launches ranks
     split = launch("experts-split", 2, "train.expert_parallel=2")

@@ -228,3 +228,41 @@ def test_zero1_client_optimizer_leaves_skipped_layer_bitwise_unchanged(monkeypat
             assert torch.equal(restored[key], value), key
     finally:
         destroy_process_group()  # through DeepSpeed: later tests start their own engine
+
+
+def test_progressive_unfreezing_trains_the_last_layer_first_and_the_embedding_last():
+    """Groups unfreeze top-down every `every` steps; until then a group's weights stay bit for bit
+    (its gradient is zeroed before the optimizer, which then leaves it alone)."""
+    from tokenloom.model import ModelConfig
+    from tokenloom.model.unified import UnifiedModel
+    from tokenloom.trainer.optim import LazyAdamW, ProgressiveUnfreezing
+
+    torch.manual_seed(0)
+    model = UnifiedModel(ModelConfig(dim=32, n_layers=2, n_heads=2, vocab_size=300))
+    unfreezing = ProgressiveUnfreezing(model, every=2)
+    optimizer = LazyAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(0, 300, (2, 16, 1))
+    batch = {"ids": ids, "labels": torch.roll(ids, -1, 1), "modality": torch.zeros(2, 16, dtype=torch.long),
+             "coords": torch.arange(16).repeat(2, 3, 1).permute(0, 2, 1).contiguous(),
+             "doc_ids": torch.zeros(2, 16, dtype=torch.long), "segment_ids": torch.zeros(2, 16, dtype=torch.long),
+             "attention": torch.zeros(2, 16, dtype=torch.long), "window": torch.zeros(2, 16, dtype=torch.long),
+             "target_modality": torch.zeros(2, 16, dtype=torch.long)}
+
+    def snapshot(prefix):
+        return {k: v.detach().clone() for k, v in model.named_parameters() if k.startswith(prefix)}
+
+    changed_at = {}
+    for step in range(6):
+        unfreezing.at(step)
+        before = {p: snapshot(p) for p in ("blocks.1.", "blocks.0.", "embed.")}
+        loss, _ = model.loss(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        for prefix, old in before.items():
+            if any(not torch.equal(v, dict(model.named_parameters())[k]) for k, v in old.items()):
+                changed_at.setdefault(prefix, step)
+        assert unfreezing.unfrozen() == min(3, 1 + step // 2)
+    assert changed_at == {"blocks.1.": 0, "blocks.0.": 2, "embed.": 4}
+    with pytest.raises(ValueError, match="every >= 1"):
+        ProgressiveUnfreezing(model, every=0)

@@ -638,8 +638,13 @@ def catalog_gc(name: Annotated[str | None, typer.Argument(help="Dataset (default
 @app.command()
 @_user_errors
 def train(
-    dataset: Annotated[str, typer.Option("--dataset")],
+    dataset: Annotated[str | None, typer.Option("--dataset", help="The dataset to train on (or --mix, or "
+                                                "[[stream.sources]] in the config).")] = None,
     at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
+    mix: Annotated[str | None, typer.Option("--mix", help="A mixture of datasets and weights, e.g. "
+                                            "a=0.7,b=0.3 (rows drawn by weight, seeded).")] = None,
+    follow: Annotated[bool, typer.Option("--follow", help="Keep reading what ingestion commits to the datasets "
+                                         "while training (each new snapshot read once, in commit order).")] = False,
     steps: Annotated[int | None, typer.Option("--steps")] = None,
     run: Annotated[str | None, typer.Option("--run", help="Run folder name under home/runs (default: "
                                             "DATASET-TIME-ID, or the resumed run's).")] = None,
@@ -653,7 +658,7 @@ def train(
     """Train the model on a catalog snapshot, streaming its shards (DeepSpeed, ZeRO-1); checkpoints
     every train.checkpoint_every steps (atomically; the newest train.keep_last are kept)."""
     home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
-    _train_and_report(home_, cfg, dataset, at, steps, run, resume, init_from, json_out)
+    _train_and_report(home_, cfg, dataset, at, steps, run, resume, init_from, json_out, mix=mix, follow=follow)
 
 
 @app.command()
@@ -664,6 +669,8 @@ def finetune(
     at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
     steps: Annotated[int | None, typer.Option("--steps")] = None,
     run: Annotated[str | None, typer.Option("--run", help="Run folder name under home/runs.")] = None,
+    unfreeze_every: Annotated[int, typer.Option("--unfreeze-every", help="Progressive unfreezing: the last layer "
+                                                "trains first, one more every N steps (0: all at once).")] = 0,
     home: HomeOpt = None, json_out: JsonOpt = False,
     config: Annotated[str | None, typer.Option("--config", help="A config file or recipe (default: the finetune "
                                                "recipe, configs/finetune.toml).")] = "finetune",
@@ -673,21 +680,28 @@ def finetune(
     (lr 2e-5, warm-up then cosine, clipping 1.0, weight decay 0.01, held-out loss per modality at
     every checkpoint)."""
     home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
+    if unfreeze_every:
+        if unfreeze_every < 0:
+            raise ValueError(f"--unfreeze-every must be >= 0, got {unfreeze_every}")
+        cfg.train.unfreeze_every, cfg.train.optimizer = unfreeze_every, "lazy_adamw"
     _train_and_report(home_, cfg, dataset, at, steps, run, None, model, json_out)
 
 
-def _train_and_report(home_, cfg, dataset: str, at: str | None, steps: int | None, run: str | None,
-                      resume: str | None, init_from: str | None, json_out: bool) -> None:
+def _train_and_report(home_, cfg, dataset: str | None, at: str | None, steps: int | None, run: str | None,
+                      resume: str | None, init_from: str | None, json_out: bool, mix: str | None = None,
+                      follow: bool = False) -> None:
     from tokenloom.jobs import train as jobs
 
     if steps is not None:
         cfg.train.steps = steps
     with _quiet_stdout(json_out):
         snapshot_id, r = jobs.train(home_, dataset, cfg, at=at, progress=not json_out, run_name=run,
-                                    resume_from=resume, refuse_existing=True, init_from=init_from)
+                                    resume_from=resume, refuse_existing=True, init_from=init_from, mix=mix,
+                                    follow=follow)
         rank = jobs.leave_process_group()
     if rank != 0:  # one report per run, from rank 0
         return
+    dataset = "+".join(s.dataset for s in cfg.stream.sources)
     doc = {"dataset": dataset, "snapshot_id": snapshot_id, **asdict(r)}
     if json_out:
         return _emit_json(doc)
@@ -698,6 +712,9 @@ def _train_and_report(home_, cfg, dataset: str, at: str | None, steps: int | Non
     per = ", ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in r.modality_loss.items() if v is not None)
     console.print(f"training loss per modality (last 10 steps): {per}; model in {r.model_dir}")
     console.print(f"held-out loss per modality: {held_out_line(r.val_loss)}")
+    if len(r.tokens_by_source) > 1 or r.segments:
+        console.print("training targets per source: " + ", ".join(f"{k} {v:,}" for k, v in r.tokens_by_source.items())
+                      + (f"; followed {len(r.segments)} new snapshot(s)" if r.segments else ""))
 
 
 def held_out_line(val_loss: dict) -> str:

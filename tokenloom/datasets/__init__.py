@@ -1,8 +1,8 @@
 """datasets: raw sources and readers; token streams (shuffle, rank split, pack, state)."""
 
-from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamState, TokenStream
+from tokenloom.datasets.stream import ShardFile, SourceSpec, StreamConfig, StreamState, TokenStream
 
-__all__ = ["ShardFile", "StreamConfig", "StreamState", "TokenStream", "shard_files"]
+__all__ = ["ShardFile", "SourceSpec", "StreamConfig", "StreamState", "TokenStream", "shard_files"]
 
 
 def shard_files(catalog, dataset: str, at: str | int | None = None) -> list[ShardFile]:

@@ -60,8 +60,8 @@ from tokenloom.contract import (
 )
 from tokenloom.datasets.packing import PAD_ID, assemble, choose_row, fill_ratio, pack_row, split_points
 
-__all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "StreamConfig", "StreamState",
-           "TokenStream", "held_out", "pack_row", "sample_positions"]
+__all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "SourceSpec", "StreamConfig",
+           "StreamExhausted", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
 
 ROW_ID = SPECIAL_TOKENS.index("<row>")  # the input id of an image's learned start row
 
@@ -70,10 +70,23 @@ class NoSampleFits(ValueError):
     """Every sample a rank streams has a media segment longer than a row."""
 
 
+class StreamExhausted(Exception):
+    """A stream of a fixed number of passes (`TokenStream(passes=N)`) has yielded its last row."""
+
+
 @dataclass(frozen=True)
 class ShardFile:
     path: str  # URI or local path of a Parquet data file
     num_rows: int
+
+
+@dataclass
+class SourceSpec:
+    """One dataset of a training mixture (`[[stream.sources]]`): its name, weight and snapshot."""
+
+    dataset: str = ""
+    weight: float = 1.0
+    at: str = ""  # a snapshot id or tag; empty: the current snapshot (and, with --follow, later ones)
 
 
 @dataclass
@@ -86,6 +99,10 @@ class StreamConfig:
     holdout: float = 0.0  # fraction of samples set aside for validation (a fixed hash of file and row)
     split: str = "train"  # "train" (samples not held out) or "val" (the held-out ones)
     pack_window: int = 128  # pending pieces (in stream order) that best-fit packing chooses from
+    # canonical readers (datasets/loader.py): they fix the row order whatever the number of ranks,
+    # which must divide them; a run resumes on any such number of ranks
+    readers: int = 4
+    sources: list[SourceSpec] = field(default_factory=list)  # a mixture; empty: the dataset trained on
 
 
 @dataclass(frozen=True)
@@ -281,13 +298,18 @@ class TokenStream:
     """An endless iterator of packed rows for one data-parallel rank."""
 
     def __init__(self, files: Sequence[ShardFile], config: StreamConfig, rank: int = 0, world_size: int = 1,
-                 state: StreamState | None = None):
+                 state: StreamState | None = None, passes: int = 0):
+        """`passes`: 0 for an endless stream (epoch after epoch); N > 0 reads the split N times and
+        then raises `StreamExhausted` (a rank may then have no sample at all: it is exhausted at once)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
+        if passes < 0:
+            raise ValueError(f"passes must be >= 0 (0: endless), got {passes}")
+        self.passes = passes
         files = [f for f in files if f.num_rows > 0]
-        if not files:
+        if not files and not passes:
             raise ValueError("the snapshot has no samples to stream")
-        if sum(f.num_rows for f in files) < world_size:
+        if not passes and sum(f.num_rows for f in files) < world_size:
             raise ValueError(f"{sum(f.num_rows for f in files)} samples cannot feed {world_size} ranks")
         if config.split not in ("train", "val") or not 0.0 <= config.holdout < 1.0:
             raise ValueError(f"stream.split must be train or val and stream.holdout in [0, 1), got "
@@ -312,7 +334,7 @@ class TokenStream:
         if self._order is None or self._order_epoch != epoch:
             self._order = EpochOrder(self.files, self.config.seed, epoch, self.config.shuffle_window,
                                      self.config.holdout, self.config.split)
-            if self._order.total < self.world:
+            if self._order.total < self.world and not self.passes:
                 raise ValueError(f"the {self.config.split} split has {self._order.total} samples, too few for "
                                  f"{self.world} ranks")
             self._order_epoch = epoch
@@ -346,8 +368,19 @@ class TokenStream:
         return entry[1]
 
     # -- packing --------------------------------------------------------------------------
+    @property
+    def exhausted(self) -> bool:
+        """No sample is left to pull (only ever true for a stream of a fixed number of passes)."""
+        if not self.passes:
+            return False
+        while self._epoch < self.passes and self._cursor >= self.samples_per_epoch(self._epoch):
+            self._epoch, self._cursor = self._epoch + 1, 0
+        return self._epoch >= self.passes
+
     def _pull(self) -> None:
         """Move the next sample into the packing window, as pieces (or skip it, counted)."""
+        if self.exhausted:
+            return
         while self._cursor >= self.samples_per_epoch(self._epoch):
             self._epoch, self._cursor = self._epoch + 1, 0
         at, self._cursor = PendingPiece(self._epoch, self._cursor, 0, 0), self._cursor + 1
@@ -369,13 +402,15 @@ class TokenStream:
     def next_row(self) -> dict[str, np.ndarray]:
         """The next packed row (see `datasets/packing.py`)."""
         in_a_row = 0  # samples pulled in a row that gave no piece
-        while len(self._window) < self.config.pack_window:
+        while len(self._window) < self.config.pack_window and not self.exhausted:
             before = len(self._window)
             self._pull()
             in_a_row = 0 if len(self._window) > before else in_a_row + 1
             if in_a_row > self.samples_per_epoch(self._epoch) and not self._window:
                 raise NoSampleFits(f"no sample of rank {self.rank} fits a row of stream.seq_len "
                                  f"{self.config.seq_len} (each has a media segment longer than that): raise seq_len")
+        if not self._window:
+            raise StreamExhausted(f"rank {self.rank} has read its {self.passes} pass(es)")
         chosen = choose_row([p.stop - p.start for p, _ in self._window],
                             [s.ends_row for _, s in self._window], self.config.seq_len)
         pieces = [(self._window[k][1], slice(self._window[k][0].start, self._window[k][0].stop)) for k in chosen]

@@ -70,6 +70,20 @@ def _coerce(value, hint, key: str):
             return hint(value)
         except (TypeError, ValueError):
             raise ValueError(f"config key {key} takes a {hint.__name__}, got {value!r}") from None
+    if origin is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):  # a TOML array of tables
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ValueError(f"config key {key} is a list of tables ([[{key}]] in TOML)")
+        items = []
+        for i, table in enumerate(value):
+            item = typing.get_args(hint)[0]()
+            _apply(item, table, f"{key}[{i}].")
+            items.append(item)
+        return items
+    if origin is dict:  # an inline table of name = number
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {key} is a table of name = number, e.g. {key} = {{a = 0.7, b = 0.3}}")
+        value_hint = typing.get_args(hint)[1] if typing.get_args(hint) else str
+        return {str(k): _coerce(v, value_hint, f"{key}.{k}") for k, v in value.items()}
     if origin is tuple:
         items = value if isinstance(value, list | tuple) else str(value).split(",")
         args = typing.get_args(hint)

@@ -105,39 +105,121 @@ def initial_weights(home: Home, ref: str | Path, cfg, vocab) -> tuple[dict, dict
     return model.state_dict(), {"model": str(folder.resolve()), "steps": doc.get("steps")}
 
 
-def train(home: Home, dataset: str, cfg, at: str | None = None, progress: bool = True, run_name: str | None = None,
-          resume_from: str | Path | None = None, refuse_existing: bool = False, init_from: str | Path | None = None):
-    """Train on a snapshot: (snapshot id, trainer.TrainResult). `resume_from`: see `resume_point`;
-    `refuse_existing`: see `run_folder`; `init_from`: a model folder or run (`initial_weights`)
-    whose weights start a new run."""
+def source_specs(cfg, dataset: str | None, at: str | None, mix: str | None) -> list:
+    """What a run trains on: `--dataset` (at `--at`), a `--mix a=0.7,b=0.3`, or `[[stream.sources]]`."""
+    from tokenloom.datasets import SourceSpec
+    from tokenloom.datasets.loader import parse_mix
+
+    given = [name for name, v in (("--dataset", dataset), ("--mix", mix), ("[[stream.sources]]", cfg.stream.sources))
+             if v]
+    if len(given) != 1:
+        raise ValueError("name the data once: --dataset NAME, --mix a=0.7,b=0.3 or [[stream.sources]] in the config"
+                         + (f" (got {' and '.join(given)})" if given else ""))
+    if mix:
+        specs = [SourceSpec(name, weight) for name, weight in parse_mix(mix)]
+    elif dataset:
+        specs = [SourceSpec(dataset, 1.0, at or "")]
+    else:
+        specs = list(cfg.stream.sources)
+        for spec in specs:
+            if not spec.dataset or not spec.weight > 0:
+                raise ValueError(f"every [[stream.sources]] entry needs a dataset and a weight > 0, got {spec}")
+    if at and not dataset:
+        raise ValueError("--at goes with --dataset; in a mixture give each source its own `at`")
+    return specs
+
+
+def _sources(home: Home, cfg, specs: list, pinned: dict[str, int]):
+    """Each source's snapshot (its `at`, else the snapshot a resumed checkpoint pinned, else the
+    current one) and files, and the manifest they train with: the largest of theirs, which every other
+    must be a prefix of (the same ids mean the same tokens)."""
+    from tokenloom.datasets.loader import Source
+
+    sources, vocab, catalog, snapshots = [], None, None, {}
+    for spec in specs:
+        at = spec.at or (str(pinned[spec.dataset]) if spec.dataset in pinned else None)
+        catalog, summary, theirs = _snapshot(home, cfg, spec.dataset, at, "train on")
+        snapshots[spec.dataset] = summary["snapshot_id"]
+        sources.append(Source(spec.dataset, tuple(shard_files(catalog, spec.dataset, summary["snapshot_id"])),
+                              spec.weight, summary["snapshot_id"]))
+        if vocab is None or theirs.size > vocab.size:
+            vocab, theirs = theirs, vocab
+        if theirs is not None and theirs.id != vocab.id and not theirs.is_prefix_of(vocab):
+            raise ValueError(f"the sources' vocabularies differ: {theirs.id} and {vocab.id} (neither extends the "
+                             "other), so one id would mean two tokens; mix datasets that share a vocabulary")
+    return catalog, sources, vocab, snapshots
+
+
+def follower(home: Home, cfg, sources) -> object:
+    """Follow mode's poll: `poll(seen)` -> [(source, snapshot id, files it added)] for every snapshot
+    committed to a source after the one `seen` names, in commit order (a snapshot that replaced or
+    deleted rows contributes only the files it added)."""
+    from tokenloom.jobs.home import open_catalog
+
+    def poll(seen: dict[str, int]) -> list:
+        catalog = open_catalog(home, cfg)
+        out = []
+        for src in sources:
+            current = catalog.snapshot(src.name)
+            if current is None or current.snapshot_id == seen[src.name]:
+                continue
+            chain = [s.snapshot_id for s in catalog.ancestry(src.name, current)]
+            if seen[src.name] not in chain:
+                log.warning("follow: %s's snapshot %s is no longer an ancestor of the current one; not following",
+                            src.name, seen[src.name])
+                continue
+            before = {f.path for f in shard_files(catalog, src.name, seen[src.name])}
+            for snapshot_id in chain[chain.index(seen[src.name]) + 1 :]:
+                files = shard_files(catalog, src.name, snapshot_id)
+                out.append((src.name, snapshot_id, [f for f in files if f.path not in before]))
+                before = {f.path for f in files}
+        return out
+
+    return poll
+
+
+def train(home: Home, dataset: str | None, cfg, at: str | None = None, progress: bool = True,
+          run_name: str | None = None, resume_from: str | Path | None = None, refuse_existing: bool = False,
+          init_from: str | Path | None = None, mix: str | None = None, follow: bool = False):
+    """Train on a snapshot, or a mixture of datasets' snapshots: (snapshot id of the first source,
+    trainer.TrainResult). `resume_from`: see `resume_point`; `refuse_existing`: see `run_folder`;
+    `init_from`: a model folder or run (`initial_weights`) whose weights start a new run; `mix`:
+    `a=0.7,b=0.3`; `follow`: keep reading what ingestion commits to the sources while training."""
     from tokenloom.trainer import train as run_training
+    from tokenloom.trainer.checkpoints import read_manifest
     from tokenloom.trainer.fit import fit_to_vocabulary
 
     if init_from is not None and resume_from is not None:
         raise ValueError("--init-from starts a new run from a model's weights, --resume continues a run: give one")
+    specs = source_specs(cfg, dataset, at, mix)
+    cfg.stream.sources = specs
+    label = "+".join(s.dataset for s in specs)
     checkpoint = resume_point(home, resume_from) if resume_from is not None else None
-    run_dir = run_folder(home, dataset, run_name, checkpoint, refuse_existing)
-    catalog, summary, vocab = _snapshot(home, cfg, dataset, at, "train on")
+    pinned = (read_manifest(checkpoint) or {}).get("sources", {}) if checkpoint is not None else {}
+    run_dir = run_folder(home, label, run_name, checkpoint, refuse_existing)
+    catalog, sources, vocab, snapshots = _sources(home, cfg, specs, pinned)
     init_state, init_doc = initial_weights(home, init_from, cfg, vocab) if init_from is not None else (None, None)
     fit_to_vocabulary(cfg.model, cfg.stream, vocab.size, [(r.start, r.stop) for r in vocab.audio])
     if not cfg.train.warmup_steps:
         log.info("train.warmup_steps is not set: warming up over %d of %d steps (10%% of the run)",
                  cfg.train.warmup, cfg.train.steps)
-    files = shard_files(catalog, dataset, summary["snapshot_id"])
-    provenance = {"dataset": dataset, "snapshot_ids": [summary["snapshot_id"]], "vocab_id": vocab.id,
-                  "bundle_ids": dict(sorted(vocab.bundles.items())), "code_version": code_version(),
-                  **({"init_from": init_doc} if init_doc else {})}
-    result = run_training(files, cfg.model, cfg.stream, cfg.train, run_dir, resume_from=checkpoint, progress=progress,
-                          provenance=provenance, init_state=init_state)
+    provenance = {"dataset": label, "snapshot_ids": list(snapshots.values()), "sources": snapshots,
+                  "vocab_id": vocab.id, "bundle_ids": dict(sorted(vocab.bundles.items())),
+                  "code_version": code_version(), **({"init_from": init_doc} if init_doc else {})}
+    result = run_training(sources, cfg.model, cfg.stream, cfg.train, run_dir, resume_from=checkpoint, progress=progress,
+                          provenance=provenance, init_state=init_state,
+                          follow=follower(home, cfg, sources) if follow else None)
+    first = snapshots[specs[0].dataset]
     if int(os.environ.get("RANK", "0")) == 0:  # every rank trains in rank 0's run folder (the loop broadcasts it)
         from tokenloom.model.io import annotate_model
 
         (Path(result.run_dir) / "source.json").write_text(json.dumps(
-            {"dataset": dataset, "snapshot_id": summary["snapshot_id"], "vocab_id": vocab.id,
+            {"dataset": label, "snapshot_id": first, "sources": snapshots, "vocab_id": vocab.id,
+             **({"segments": result.segments} if result.segments else {}),
              **({"init_from": init_doc} if init_doc else {})}, indent=2))
         if result.model_dir:  # the token space travels with the model: generation reads it from here
             annotate_model(result.model_dir, **generation_facts(vocab, cfg.stream))
-    return summary["snapshot_id"], result
+    return first, result
 
 
 def generation_facts(vocab, stream_cfg) -> dict:

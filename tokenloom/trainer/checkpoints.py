@@ -167,3 +167,28 @@ class Schedule:
 
     def saved(self) -> None:
         self.last = time.monotonic()
+
+
+UNIVERSAL = "universal"  # inside a checkpoint: its ZeRO shards converted for another number of ranks
+
+
+def universal(checkpoint: Path, rank: int, world: int) -> Path:
+    """The checkpoint as DeepSpeed's universal checkpoint (`<checkpoint>/universal/`), which loads
+    on any number of data-parallel ranks: ZeRO's optimizer shards are partitioned per rank, so a
+    run saved on W ranks resumes on W' != W through this form. Rank 0 converts once (DeepSpeed's
+    `ds_to_universal`) into a temporary folder renamed into place; the others wait."""
+    import argparse
+
+    checkpoint = Path(checkpoint)
+    out = checkpoint / UNIVERSAL
+    if rank == 0 and not out.is_dir():
+        from deepspeed.checkpoint.ds_to_universal import main as to_universal
+
+        part = checkpoint / f"{TMP_PREFIX}{UNIVERSAL}"
+        shutil.rmtree(part, ignore_errors=True)
+        to_universal(argparse.Namespace(input_folder=str(checkpoint), output_folder=str(part), num_extract_workers=1,
+                                        num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                        inject_missing_state=True))  # no tensor-parallel slices: the default info
+        os.replace(part, out)
+    _barrier(world)
+    return out

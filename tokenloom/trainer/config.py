@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stage:
+    """One stage of a staged run (`[[train.stages]]`): its steps, its row length, optionally a RoPE
+    base and source weights. Rows per micro-batch scale so that positions per step stay those of
+    `stream.seq_len` x `train.micro_batch_size`."""
+
+    steps: int = 0
+    seq_len: int = 0
+    rope_theta: float = 0.0  # 0: keep the model's
+    weights: dict[str, float] = field(default_factory=dict)  # source -> weight; empty: the sources' own
 
 
 @dataclass
@@ -34,6 +46,28 @@ class TrainConfig:
     # "adamw" (torch) or "lazy_adamw" (trainer.optim: an element whose gradient is exactly 0 in a step,
     # e.g. a layer the elastic sub-model skipped, gets no moment decay, weight decay or update)
     optimizer: str = "adamw"
+    stages: list[Stage] = field(default_factory=list)  # staged context extension; empty: one stage
+    follow_every: int = 10  # with --follow: steps between looks for snapshots committed since
+    # progressive unfreezing (fine-tuning): the last layer (with the output heads) trains first, one more
+    # layer every this many steps, the embedding last; frozen parameters get no update (lazy AdamW). 0: off
+    unfreeze_every: int = 0
+    log_rows: bool = False  # write rows.jsonl: every step's global row indices, sources and row hashes
+
+    def stage_bounds(self) -> list[tuple[int, int]]:
+        """[start, stop) steps of each stage (one stage over the whole run when none is set)."""
+        if not self.stages:
+            return [(0, self.steps)]
+        out, start = [], 0
+        for st in self.stages:
+            out.append((start, start + st.steps))
+            start += st.steps
+        return out
+
+    def stage_at(self, step: int) -> int:
+        for k, (a, b) in enumerate(self.stage_bounds()):
+            if a <= step < b:
+                return k
+        return len(self.stage_bounds()) - 1
 
     def validate(self) -> None:
         if self.steps < 1 or self.micro_batch_size < 1 or self.grad_accum < 1:
@@ -58,6 +92,19 @@ class TrainConfig:
         if self.expert_parallel > 1 and self.zero_stage not in (1, 2):
             raise ValueError("train.expert_parallel > 1 needs train.zero_stage 1 or 2 (resuming restores the "
                              "expert slices from ZeRO's master copies)")
+        if self.stages:
+            if any(st.steps < 1 or st.seq_len < 2 or st.rope_theta < 0 for st in self.stages):
+                raise ValueError(f"every train.stages entry needs steps >= 1, seq_len >= 2 (rope_theta >= 0), got "
+                                 f"{self.stages}")
+            if sum(st.steps for st in self.stages) != self.steps:
+                raise ValueError(f"train.stages cover {sum(st.steps for st in self.stages)} steps, train.steps is "
+                                 f"{self.steps}: they must agree")
+        if self.follow_every < 1 or self.unfreeze_every < 0:
+            raise ValueError(f"train.follow_every must be >= 1 and train.unfreeze_every >= 0, got "
+                             f"{self.follow_every}, {self.unfreeze_every}")
+        if self.unfreeze_every and self.optimizer != "lazy_adamw":
+            raise ValueError("train.unfreeze_every needs train.optimizer=lazy_adamw (AdamW would still move frozen "
+                             "weights on their moments and weight decay)")
         if not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(f"train.warmup_steps ({self.warmup_steps}) must be in [0, train.steps={self.steps}] "
                              "(0 derives it from the run length)")

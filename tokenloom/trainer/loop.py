@@ -10,10 +10,15 @@ balance, gradient norm, learning rate, peak memory) and when to checkpoint (`tra
 writes them atomically). At every checkpoint and at the end it evaluates the full model on the
 held-out split (`stream.holdout`, `train.eval_batches` per modality mix, `trainer.evaluate`): the
 training losses by modality rest on the few rare-modality targets of recent steps, the held-out
-ones on a fixed set of rows that holds every modality of the split. The data stream's state is
-saved inside each DeepSpeed checkpoint (client state), so resuming a run continues with exactly
-the batch the interrupted run would have read next, and its losses and weights are the
-uninterrupted run's.
+ones on a fixed set of rows that holds every modality of the split. The data comes from
+`datasets.loader` (canonical readers, mixture sources, follow segments); its state, gathered from
+every rank, is saved inside each DeepSpeed checkpoint (client state), so resuming a run continues
+with exactly the batch the interrupted run would have read next, and its losses and weights are
+the uninterrupted run's. On another number of ranks the rows are still the same (the readers fix
+them) and DeepSpeed's ZeRO shards load through its universal checkpoint. It also switches stages
+(`train.stages`: a loader per stage, rows per micro-batch scaled to keep positions per step, the
+stage's RoPE base), asks the job for new snapshots in follow mode, and applies progressive
+unfreezing (`train.unfreeze_every`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -28,8 +34,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tokenloom.contract import IGNORE_INDEX, MODALITIES, MODALITY_SLOTS
-from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
+from tokenloom.contract import IGNORE_INDEX, MODALITIES, MODALITY_SLOTS, PAD_MODALITY
+from tokenloom.datasets import ShardFile, StreamConfig
+from tokenloom.datasets.loader import Loader, LoaderState, Source
 from tokenloom.model import ModelConfig
 from tokenloom.model.elastic import sample_submodel
 from tokenloom.model.io import save_model
@@ -62,6 +69,9 @@ class TrainResult:
     # the held-out loss at the end: {"step", "rows", <modality>: {"loss", "tokens"[, "reason"]}}
     val_loss: dict = field(default_factory=dict)
     evaluations: list[dict] = field(default_factory=list)  # every held-out evaluation of this invocation
+    tokens_by_source: dict[str, int] = field(default_factory=dict)  # training targets per source, whole run
+    segments: list[dict] = field(default_factory=list)  # follow mode: snapshots read as segments
+    stage: int = 0  # the stage the run ended in (train.stages)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -87,9 +97,10 @@ class StepStats:
 
     KEYS = tuple(f"{kind}_{m}" for kind in ("sum", "count") for m in MODALITIES)
 
-    def __init__(self, layers: int, experts: int):
+    def __init__(self, layers: int, experts: int, sources: int = 1):
         self.parts = torch.zeros(len(self.KEYS))
         self.loads = torch.zeros(layers, MODALITY_SLOTS, experts)
+        self.sources = torch.zeros(sources, dtype=torch.float64)  # training targets per source
 
     def add(self, parts: dict[str, torch.Tensor], loads: torch.Tensor) -> None:
         self.parts += torch.stack([parts[k].detach().float().cpu() for k in self.KEYS])
@@ -97,12 +108,15 @@ class StepStats:
 
     def reduce(self, world: int) -> None:
         if world > 1:
-            flat = torch.cat([self.parts, self.loads.flatten()])
+            n, m = len(self.KEYS), self.loads.numel()
+            flat = torch.cat([self.parts.double(), self.loads.flatten().double(), self.sources])
             if torch.distributed.get_backend() == "nccl":  # NCCL reduces only CUDA tensors
                 flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
             torch.distributed.all_reduce(flat)
             flat = flat.cpu()
-            self.parts, self.loads = flat[: len(self.KEYS)], flat[len(self.KEYS) :].view_as(self.loads)
+            self.parts = flat[:n].float()
+            self.loads = flat[n : n + m].float().view_as(self.loads)
+            self.sources = flat[n + m :]
 
     def modality_losses(self) -> dict[str, float | None]:
         n = len(MODALITIES)
@@ -111,7 +125,7 @@ class StepStats:
 
 
 def train(
-    files: list[ShardFile],
+    sources: list[Source] | list[ShardFile],
     model_cfg: ModelConfig,
     stream_cfg: StreamConfig,
     train_cfg: TrainConfig,
@@ -120,17 +134,24 @@ def train(
     progress: bool = True,
     provenance: dict | None = None,
     init_state: dict[str, torch.Tensor] | None = None,
+    follow: Callable[[dict[str, int]], list[tuple[str, int, list[ShardFile]]]] | None = None,
 ) -> TrainResult:
     """Train for `train_cfg.steps` (or up to `stop_after`), from step 0 or from the checkpoint
     `resume_from` (a checkpoint folder, a run's `checkpoint/` folder or a run folder: its newest
     complete checkpoint). `provenance`: what the job knows of the data and code (dataset, snapshot
     id, vocabulary id, bundle ids, code version), written into every checkpoint's manifest.
     `init_state`: a trained model's state dict to start from (`--init-from`, fine-tuning); a resumed
-    checkpoint's weights replace it."""
+    checkpoint's weights replace it. `sources`: the datasets (a mixture) or one dataset's files.
+    `follow`: called on rank 0 every `train.follow_every` steps with the newest snapshot streamed per
+    source; returns the snapshots committed since as (source, snapshot id, files it added), each then
+    read once (follow mode)."""
     import deepspeed
 
     train_cfg.validate()
     model_cfg.validate()
+    if sources and isinstance(sources[0], ShardFile):
+        sources = [Source("data", tuple(sources))]
+    files = [f for s in sources for f in s.files]
     rank, world = init_distributed()
     torch.manual_seed(train_cfg.seed)
     run_dir = Path(run_dir)
@@ -150,19 +171,32 @@ def train(
         groups = optimizer_param_groups(model, train_cfg.weight_decay)
     else:
         groups = _param_groups(model, train_cfg.weight_decay)
+    unfreezing = None
+    if train_cfg.unfreeze_every:  # tensor hooks on the full model, before DeepSpeed wraps it
+        from tokenloom.trainer.optim import ProgressiveUnfreezing
+
+        unfreezing = ProgressiveUnfreezing(model, train_cfg.unfreeze_every)
+    ds_config = train_cfg.deepspeed_config()
+    resume_from = checkpoints.find_checkpoint(resume_from) if resume_from is not None else None
+    manifest = checkpoints.read_manifest(resume_from) if resume_from is not None else None
+    load_dir, load_tag = (resume_from.parent, resume_from.name) if resume_from else (None, None)
+    if manifest is not None and int(manifest.get("world_size", world)) != world:
+        if ep > 1:
+            raise ValueError(f"checkpoint {resume_from} was written by {manifest['world_size']} ranks with expert "
+                             f"parallelism; resume it with the same number of ranks (this run has {world})")
+        # ZeRO's optimizer shards are per rank: load through DeepSpeed's universal checkpoint
+        load_dir, load_tag = resume_from, checkpoints.universal(resume_from, rank, world).name
+        ds_config["checkpoint"] = {"load_universal": True}
     if train_cfg.optimizer == "lazy_adamw":  # DeepSpeed wraps it and hands it flat fp32 partitions
         from tokenloom.trainer.optim import LazyAdamW
 
         optimizer = LazyAdamW(groups, lr=train_cfg.lr, betas=train_cfg.betas)
     else:
         optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=train_cfg.betas)
-    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                   config=train_cfg.deepspeed_config())
-    stream = TokenStream(files, stream_cfg, rank=rank, world_size=world)
-    start_step = 0
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    start_step, loader_state, saved_stage, resumed_tokens = 0, None, 0, {}
     if resume_from is not None:
-        resume_from = checkpoints.find_checkpoint(resume_from)
-        _, client = engine.load_checkpoint(str(resume_from.parent), tag=resume_from.name)
+        _, client = engine.load_checkpoint(str(load_dir), tag=load_tag)
         if client is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {resume_from}")
         _check_resumable(client, resume_from, world, stream_cfg, files)
@@ -170,8 +204,12 @@ def train(
             from tokenloom.trainer.expert_parallel import refresh_after_checkpoint_load
 
             refresh_after_checkpoint_load(engine)
-        stream.load_state_dict(client["data"][str(rank)])
+        loader_state, saved_stage = LoaderState.from_dict(client["data"]), int(client.get("stage", 0))
+        resumed_tokens = client.get("tokens_by_source", {})
         start_step = int(client["step"])
+        # the groups' lr as the scheduler set it at the saved step (a universal load does not restore it)
+        for group, lr in zip(engine.optimizer.param_groups, scheduler.get_lr(), strict=True):
+            group["lr"] = lr
 
     bf16 = use_bf16(train_cfg.precision, engine.device)
     autocast = torch.autocast(engine.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -180,7 +218,38 @@ def train(
         (run_dir / "config.json").write_text(json.dumps(
             {"model": asdict(model_cfg), "stream": asdict(stream_cfg), "train": asdict(train_cfg),
              "world_size": world, "bf16_autocast": bf16}, indent=2))
-    batches = stream.batches(train_cfg.micro_batch_size)
+    base_theta = model_cfg.rope_theta
+
+    def stage_loader(stage: int, state: LoaderState | None):
+        """The loader of `stage` (its seq_len, weights and seed) and its rows per micro-batch."""
+        st = train_cfg.stages[stage] if train_cfg.stages else None
+        cfg, srcs, rows = stream_cfg, sources, train_cfg.micro_batch_size
+        if st is not None:
+            positions = train_cfg.micro_batch_size * stream_cfg.seq_len
+            if positions % st.seq_len:
+                raise ValueError(f"train.stages[{stage}].seq_len {st.seq_len} does not divide the positions per "
+                                 f"micro-batch ({train_cfg.micro_batch_size} x stream.seq_len {stream_cfg.seq_len})")
+            unknown = sorted(set(st.weights) - {s.name for s in sources})
+            if unknown:
+                raise ValueError(f"train.stages[{stage}].weights names {unknown}, not sources of this run "
+                                 f"({[s.name for s in sources]})")
+            cfg, rows = replace(stream_cfg, seq_len=st.seq_len), positions // st.seq_len
+            srcs = [replace(s, weight=st.weights.get(s.name, s.weight)) for s in sources]
+            engine.module.cfg.rope_theta = st.rope_theta or base_theta
+        return Loader(srcs, cfg, stream_cfg.readers, rank, world, stage, state), rows
+
+    stage = train_cfg.stage_at(start_step)
+    if loader_state is not None and saved_stage != stage:  # saved at a stage boundary: carry its segments over
+        old, _ = stage_loader(saved_stage, loader_state)
+        loader, rows_per_batch = stage_loader(stage, None)
+        loader.take_segments(old)
+    else:
+        loader, rows_per_batch = stage_loader(stage, loader_state)
+    batches = loader.batches(rows_per_batch)
+    tokens_by_source: dict[str, int] = {s.name: int(resumed_tokens.get(s.name, 0)) if resume_from else 0
+                                        for s in sources}
+    rows_log = (run_dir / "rows.jsonl").open("a" if resume_from else "w") if train_cfg.log_rows and rank == 0 \
+        else None
     losses: list[float] = []
     recent: list[StepStats] = []
     tokens_seen, train_seconds = 0, 0.0
@@ -222,22 +291,55 @@ def train(
         return doc
 
     def save(at_step: int) -> Path:
-        client = {"data": _gather_states(stream, world), "step": at_step, "world_size": world,
-                  "stream": asdict(stream_cfg), "files": [f.path for f in files]}
+        client = {"data": _gather_states(loader, world), "step": at_step, "world_size": world, "stage": stage,
+                  "stream": asdict(stream_cfg), "files": [f.path for f in files],
+                  "tokens_by_source": tokens_by_source}
         manifest = {**(provenance or {}), "files": len(files),
                     "config": {"model": asdict(model_cfg), "stream": asdict(stream_cfg), "train": asdict(train_cfg)}}
         path = checkpoints.save(engine, run_dir / checkpoints.ROOT, at_step, client, manifest, train_cfg.keep_last,
                                 rank, world)
         schedule.saved()
         return path
+    source_index = {s.name: i for i, s in enumerate(sources)}
+    segments: list[dict] = [s.to_dict() | {"files": len(s.files)} for s in loader.segments]
+    seen = {s.name: s.snapshot_id for s in sources}  # follow mode: the newest snapshot streamed per source
+    seen.update({s.source: s.snapshot_id for s in loader.segments})
     for step in range(start_step, end_step):
+        if stage + 1 < len(train_cfg.stage_bounds()) and step >= train_cfg.stage_bounds()[stage + 1][0]:
+            stage += 1  # a new stage: its own loader, seq_len and rows per micro-batch; unread segments go along
+            old = loader
+            loader, rows_per_batch = stage_loader(stage, None)
+            loader.take_segments(old)
+            batches = loader.batches(rows_per_batch)
+            if metrics is not None:
+                metrics.log({"step": step, "stage": stage, "seq_len": loader.config.seq_len,
+                             "rows_per_micro_batch": rows_per_batch})
+        if follow is not None and step > start_step and step % train_cfg.follow_every == 0:
+            for seg in _broadcast(follow(seen) if rank == 0 else None, world):
+                seen[seg[0]] = seg[1]
+                added = loader.follow(*seg)
+                if added is not None:
+                    doc = {"source": added.source, "snapshot_id": added.snapshot_id, "files": len(added.files),
+                           "samples": sum(f.num_rows for f in added.files), "from_row": added.from_row,
+                           "step": step}
+                    segments.append(doc)
+                    if metrics is not None:
+                        metrics.log({"step": step, "follow": doc})
+        if unfreezing is not None:
+            unfreezing.at(step)
         t0 = time.perf_counter()
         sub = sample_submodel(model_cfg, step)
-        stats = StepStats(model_cfg.n_layers, model_cfg.moe.n_experts)
+        stats = StepStats(model_cfg.n_layers, model_cfg.moe.n_experts, len(sources))
         step_loss = 0.0
         for _ in range(train_cfg.grad_accum):
             raw = next(batches)
             window_fill.append(float(raw.pop("fill_ratio").mean()))  # non-padding share of the rows
+            row_sources, row_ids, row_segments = raw.pop("source"), raw.pop("row"), raw.pop("segment")
+            targets = (raw["labels"] != IGNORE_INDEX).sum(axis=(1, 2))
+            for name, n in zip(row_sources, targets, strict=True):
+                stats.sources[source_index[name]] += int(n)
+            if train_cfg.log_rows:  # a collective: every rank takes part, rank 0 writes
+                _log_rows(rows_log, step, raw, row_sources, row_ids, row_segments, world)
             batch = _to_tensors(raw, engine.device)
             indices = mask_indices(batch)  # the attention mask's intervals, once per micro-batch
             with autocast:
@@ -248,6 +350,8 @@ def train(
             step_loss += loss.item() / train_cfg.grad_accum
             tokens_seen += int((batch["labels"] != IGNORE_INDEX).sum()) * world
         stats.reduce(world)
+        for name, i in source_index.items():
+            tokens_by_source[name] += int(stats.sources[i])
         grad_norm = engine.get_global_grad_norm()  # of this step's update, before clipping
         if grad_norm is not None:
             window_grad_norms.append(float(grad_norm))
@@ -272,15 +376,19 @@ def train(
             if metrics is not None:
                 record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
                           "grad_norm": norms[-1] if norms else None, "grad_norm_max": max(norms, default=None),
-                          "fill_ratio": float(np.mean(fills)), "skipped_samples": stream.state.skipped,
+                          "fill_ratio": float(np.mean(fills)), "skipped_samples": loader.skipped,
                           "tokens_per_second": tokens_seen / max(train_seconds, 1e-9), **merged.modality_losses(),
-                          **peak_memory(engine.device), "submodel": sub.describe()}
+                          **peak_memory(engine.device), "submodel": sub.describe(), "stage": stage,
+                          "tokens_by_source": dict(tokens_by_source),
+                          **({"unfrozen_groups": unfreezing.unfrozen()} if unfreezing is not None else {})}
                 record.update(routing_metrics(merged.loads))
                 metrics.log(record)
         if step + 1 < end_step and schedule.due(step + 1):
             checkpoint = save(step + 1)
             held_out_eval(step + 1)
     bar.close()
+    if rows_log is not None:
+        rows_log.close()
 
     if train_cfg.save_checkpoint:  # the periodic saves stop short of the last step: this one is new
         checkpoint = save(end_step)
@@ -289,8 +397,9 @@ def train(
     routing = _routing_summary(final.loads)
     state = _full_state(engine.module, ep)
     model_dir = plot = routing_plot = None
-    if rank == 0:
-        model_dir = str(save_model(state, model_cfg, run_dir / "model", {"steps": end_step}))
+    if rank == 0:  # the last stage's RoPE base is the model's
+        model_dir = str(save_model(state, replace(model_cfg, rope_theta=engine.module.cfg.rope_theta),
+                                   run_dir / "model", {"steps": end_step}))
     if metrics is not None:
         metrics.close()
         plot = plot_loss(metrics.records, run_dir / "loss.png")
@@ -315,6 +424,9 @@ def train(
         active_parameters=active_parameters(model_cfg, parameters),
         val_loss=final_eval,
         evaluations=evaluations,
+        tokens_by_source=tokens_by_source,
+        segments=segments,
+        stage=stage,
     )
 
 
@@ -352,9 +464,10 @@ def _check_resumable(client: dict, path: Path, world: int, stream_cfg: StreamCon
     missing = [key for key in ("data", "step", "world_size", "stream", "files") if key not in client]
     if missing:
         raise ValueError(f"checkpoint {path} was not written by `tokenloom train` (it lacks {missing})")
-    if client["world_size"] != world:
-        raise ValueError(f"checkpoint {path} was written by {client['world_size']} ranks; resume it with the same "
-                         f"number (this run has {world})")
+    readers = client["stream"].get("readers", 0)
+    if not readers or readers % world:
+        raise ValueError(f"checkpoint {path} streamed with stream.readers = {readers}; it resumes on a number of "
+                         f"ranks that divides that (this run has {world})")
     if client["stream"] != asdict(stream_cfg):
         raise ValueError(f"checkpoint {path} streamed with {client['stream']}, this run with {asdict(stream_cfg)}; "
                          "resume with the same stream.* settings")
@@ -363,11 +476,42 @@ def _check_resumable(client: dict, path: Path, world: int, stream_cfg: StreamCon
                          "(see source.json in its run folder)")
 
 
-def _gather_states(stream: TokenStream, world: int) -> dict:
-    """Every rank's stream state, keyed by rank, so any rank can resume from the checkpoint."""
-    state = stream.state_dict()
+def _gather_states(loader: Loader, world: int) -> dict:
+    """Every canonical reader's state (each rank holds its own readers'), so any number of ranks
+    that divides the readers can resume from the checkpoint."""
+    state = loader.state()
     if world == 1:
-        return {"0": state}
-    gathered: list[dict | None] = [None] * world
+        return state.to_dict()
+    gathered: list[LoaderState | None] = [None] * world
     torch.distributed.all_gather_object(gathered, state)
-    return {str(r): s for r, s in enumerate(gathered)}
+    return Loader.merge(gathered).to_dict()
+
+
+def _broadcast(value, world: int):
+    """Rank 0's `value` on every rank."""
+    if world == 1:
+        return value
+    holder = [value]
+    torch.distributed.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _log_rows(out, step: int, raw: dict, sources: list[str], rows: np.ndarray, segments: np.ndarray,
+              world: int) -> None:
+    """Append this micro-batch's rows of every rank to rows.jsonl (rank 0 writes; `out` is None on the
+    other ranks): global index, source, followed snapshot (-1: none), non-padding positions and the
+    CRC-32 of the row's ids and labels."""
+    import zlib
+
+    mine = [{"row": int(g), "source": src, "segment": int(seg),
+             "positions": int((raw["modality"][i] != PAD_MODALITY).sum()),
+             "crc": zlib.crc32(raw["ids"][i].tobytes() + raw["labels"][i].tobytes())}
+            for i, (g, src, seg) in enumerate(zip(rows, sources, segments, strict=True))]
+    if world > 1:
+        gathered: list[list | None] = [None] * world
+        torch.distributed.all_gather_object(gathered, mine)
+        mine = [r for part in gathered for r in part]
+    if out is not None:
+        for r in sorted(mine, key=lambda r: r["row"]):
+            out.write(json.dumps({"step": step, **r}) + "\n")
+        out.flush()

@@ -112,3 +112,48 @@ def _bias_correction(steps: torch.Tensor, beta: float, out: torch.Tensor) -> tor
     if beta == 0:
         return out.fill_(1)
     return torch.mul(steps, math.log(beta), out=out).expm1_().neg_().clamp_(min=1 - beta)
+
+
+class ProgressiveUnfreezing:
+    """Fine-tuning's progressive unfreezing: the last transformer layer (with the final norm and the
+    output heads) trains from the first step, one more layer below it every `every` steps, the
+    embedding (tied to the output head's text/media rows) last.
+
+    A frozen parameter's gradient is replaced by zeros in a tensor hook, before DeepSpeed reduces
+    it into ZeRO's flat buffers, so LazyAdamW leaves its elements untouched (no moment decay, no
+    weight decay, no update) and gradient clipping does not count it. Call `at(step)` before each
+    step's forward."""
+
+    def __init__(self, model: torch.nn.Module, every: int):
+        if every < 1:
+            raise ValueError(f"progressive unfreezing needs every >= 1, got {every}")
+        self.every, self.step = every, 0
+        n_layers = len(model.blocks)
+        self.group_of: dict[str, int] = {}
+        for name, p in model.named_parameters():
+            if name.startswith("blocks."):
+                group = n_layers - 1 - int(name.split(".")[1])
+            elif name.startswith("embed."):
+                group = n_layers
+            else:  # the final norm and the heads train with the last layer
+                group = 0
+            self.group_of[name] = group
+            if p.requires_grad:
+                p.register_hook(self._hook(group))
+        self.groups = n_layers + 1
+
+    def _hook(self, group: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            return grad if self.trainable(group) else torch.zeros_like(grad)
+
+        return hook
+
+    def at(self, step: int) -> None:
+        self.step = step
+
+    def unfrozen(self, step: int | None = None) -> int:
+        """Groups trained at `step` (default: the current one)."""
+        return min(self.groups, 1 + (self.step if step is None else step) // self.every)
+
+    def trainable(self, group: int) -> bool:
+        return group < self.unfrozen()

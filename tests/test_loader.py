@@ -1,0 +1,190 @@
+"""The training loader: canonical readers (any world size resumes exactly), mixtures, follow segments.
+
+Rows are compared by their bytes (ids and labels); samples are marked (every text id of sample k of
+file f is a known id), so "exactly once" is counted from the rows themselves, not from the loader's
+bookkeeping.
+"""
+
+import zlib
+
+import numpy as np
+import pytest
+from multimodal_data import LAYOUT, MANIFEST, write_shard
+
+from tokenloom.datasets import StreamConfig, TokenStream
+from tokenloom.datasets.loader import Loader, LoaderState, Source, draw_sources, parse_mix
+from tokenloom.datasets.stream import StreamExhausted
+from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
+
+CFG = StreamConfig(seq_len=48, group_size=2, audio_window=4, seed=3, shuffle_window=2, pack_window=8, readers=4)
+
+
+MARKS = 7  # the last 7 text ids mark the samples of a followed snapshot; the other data never uses them
+
+
+def _text(rng, n):
+    return TextPart(rng.integers(0, MANIFEST.text.size - MARKS, n))
+
+
+def _files(tmp_path, prefix="m", n_files=3, per_file=12, seed=5):
+    rng = np.random.default_rng(seed)
+    files = []
+    for f in range(n_files):
+        samples = []
+        for _ in range(per_file):
+            kind = rng.integers(3)
+            if kind == 0:
+                image = ImagePart(rng.integers(0, MANIFEST.visual.size, (int(rng.integers(1, 5)), int(rng.integers(2, 6)))))
+                samples.append(LAYOUT.assemble([image, _text(rng, 3)]))
+            elif kind == 1:
+                samples.append(LAYOUT.assemble([AudioPart(rng.integers(0, 50, (int(rng.integers(2, 12)), 2))),
+                                                _text(rng, 3)]))
+            else:
+                samples.append(LAYOUT.assemble([_text(rng, int(rng.integers(1, 68)))]))
+        files.append(write_shard(tmp_path / f"{prefix}{f}.parquet", samples))
+    return files
+
+
+def _crc(batch, i):
+    return zlib.crc32(batch["ids"][i].tobytes() + batch["labels"][i].tobytes())
+
+
+def _global_rows(loaders, batch_size, steps):
+    """{global row: crc} over `steps` steps of every rank's loader (stepping together)."""
+    out = {}
+    its = [ld.batches(batch_size) for ld in loaders]
+    for _ in range(steps):
+        for it in its:
+            b = next(it)
+            for i, g in enumerate(b["row"]):
+                assert int(g) not in out
+                out[int(g)] = _crc(b, i)
+    return out
+
+
+def _rank_loaders(sources, world, state=None, cfg=CFG):
+    return [Loader(sources, cfg, cfg.readers, r, world, state=state) for r in range(world)]
+
+
+def test_rows_are_the_same_for_every_world_size_dividing_the_readers(tmp_path):
+    sources = [Source("d", tuple(_files(tmp_path)))]
+    one = _global_rows(_rank_loaders(sources, 1), 4, 10)  # 40 rows
+    two = _global_rows(_rank_loaders(sources, 2), 2, 10)  # 2 ranks x 2 rows per step: the same 40 rows
+    four = _global_rows(_rank_loaders(sources, 4), 1, 10)
+    assert sorted(one) == list(range(40))
+    assert one == two == four
+    assert len(set(one.values())) > 30, "rows differ from one another"
+    with pytest.raises(ValueError, match="multiple of the number of ranks"):
+        Loader(sources, CFG, 4, 0, 3)
+
+
+@pytest.mark.parametrize(("saved_world", "resumed_world"), [(2, 1), (1, 2), (4, 2), (2, 4)])
+def test_a_state_saved_on_w_ranks_resumes_on_another_number_exactly(tmp_path, saved_world, resumed_world):
+    sources = [Source("d", tuple(_files(tmp_path)))]
+    rows_per_step = 4
+    expected = _global_rows(_rank_loaders(sources, 1), rows_per_step, 14)  # runs into the second epoch
+    first = _rank_loaders(sources, saved_world)
+    got = _global_rows(first, rows_per_step // saved_world, 5)
+    state = Loader.merge([ld.state() for ld in first])
+    state = LoaderState.from_dict(state.to_dict())  # through the checkpoint's JSON form
+    resumed = _rank_loaders(sources, resumed_world, state)
+    got.update(_global_rows(resumed, rows_per_step // resumed_world, 9))
+    assert got == expected
+
+
+def test_a_state_of_other_readers_is_refused(tmp_path):
+    sources = [Source("d", tuple(_files(tmp_path)))]
+    state = Loader(sources, CFG, 4).state()
+    with pytest.raises(ValueError, match="same stream.readers"):
+        Loader(sources, StreamConfig(**{**CFG.__dict__, "readers": 8}), 8, state=state)
+    with pytest.raises(ValueError, match="predates canonical readers"):
+        LoaderState.from_dict({"epoch": 0, "cursor": 3, "pending": []})
+
+
+def test_mixture_draws_follow_the_weights():
+    drawn = np.concatenate([draw_sources([0.7, 0.3], 11, 0, c, np.arange(2500)) for c in range(4)])
+    assert len(drawn) == 10_000
+    assert abs(np.mean(drawn == 0) - 0.7) < 0.02
+    again = draw_sources([0.7, 0.3], 11, 0, 2, np.arange(2500))
+    np.testing.assert_array_equal(again, drawn[5000:7500])  # a pure function of (seed, stage, reader, row)
+    assert parse_mix("a=0.7, b=0.3") == [("a", 0.7), ("b", 0.3)]
+    for bad in ("a", "a=0", "a=x", "a=1,a=2"):
+        with pytest.raises(ValueError, match="--mix"):
+            parse_mix(bad)
+
+
+def test_a_mixture_streams_each_source_by_its_weight_and_resumes_every_cursor(tmp_path):
+    a = Source("a", tuple(_files(tmp_path, "a", seed=1)), 0.75)
+    b = Source("b", tuple(_files(tmp_path, "b", seed=2)), 0.25)
+    loader = Loader([a, b], CFG, 4)
+    it = loader.batches(8)
+    batches = [next(it) for _ in range(100)]
+    sources = np.array([s for batch in batches for s in batch["source"]])
+    assert abs(np.mean(sources == "a") - 0.75) < 0.04  # 800 rows
+    # the state holds each reader's cursor in each source: a resumed mixture continues exactly
+    first = Loader([a, b], CFG, 4)
+    it = first.batches(8)
+    for _ in range(37):
+        next(it)
+    resumed = Loader([a, b], CFG, 4, state=LoaderState.from_dict(first.state().to_dict()))
+    for want, got in zip(batches[37:60], [b for _, b in zip(range(23), resumed.batches(8), strict=False)],
+                         strict=True):
+        assert list(want["source"]) == list(got["source"])
+        np.testing.assert_array_equal(want["ids"], got["ids"])
+
+
+def _marked(tmp_path, n=9):
+    """A shard whose sample k is k + 3 copies of one of the marking text ids."""
+    samples = [LAYOUT.assemble([TextPart(np.full(k + 3, MANIFEST.text.size - 1 - (k % MARKS)))]) for k in range(n)]
+    shard = write_shard(tmp_path / "new.parquet", samples)
+    return shard, sum(k + 3 for k in range(n))
+
+
+def _marked_count(batch):
+    ids = batch["ids"][..., 0]
+    return int(((ids >= MANIFEST.text.stop - MARKS) & (ids < MANIFEST.text.stop)).sum())
+
+
+def test_a_followed_snapshot_is_read_once_from_the_next_row_and_resumes(tmp_path):
+    base = tuple(_files(tmp_path, seed=8))
+    base_marked = sum(_marked_count(b) for b in [next(Loader([Source("d", base)], CFG, 4).batches(40))])
+    assert base_marked == 0, "the base data holds none of the marked ids"
+    shard, marked_tokens = _marked(tmp_path)
+    plain = Loader([Source("d", base)], CFG, 4)
+    plain_rows = [next(plain.batches(2)) for _ in range(3)]
+    loader = Loader([Source("d", base)], CFG, 4)
+    it = loader.batches(2)
+    before = [next(it) for _ in range(3)]
+    for want, got in zip(plain_rows, before, strict=True):  # what was seen never changes
+        np.testing.assert_array_equal(want["ids"], got["ids"])
+    segment = loader.follow("d", 42, [shard])
+    assert segment.from_row == 6
+    after = [next(it) for _ in range(40)]
+    assert sum(_marked_count(b) for b in after) == marked_tokens, "every sample of the snapshot exactly once"
+    marked_rows = [int(g) for b in after for i, g in enumerate(b["row"]) if _marked_count({"ids": b["ids"][i]})]
+    assert marked_rows and min(marked_rows) >= 6
+    # resumed in the middle of the segment: the same rows as without the interruption
+    again = Loader([Source("d", base)], CFG, 4)
+    it2 = again.batches(2)
+    for _ in range(3):
+        next(it2)
+    again.follow("d", 42, [shard])
+    for _ in range(2):
+        next(it2)
+    resumed = Loader([Source("d", base)], CFG, 4, state=LoaderState.from_dict(again.state().to_dict()))
+    it3 = resumed.batches(2)
+    for want, got in zip(after[2:12], [next(it3) for _ in range(10)], strict=True):
+        np.testing.assert_array_equal(want["ids"], got["ids"])
+
+
+def test_a_one_pass_stream_ends_and_may_be_empty_for_a_rank(tmp_path):
+    shard, marked_tokens = _marked(tmp_path, n=3)
+    stream = TokenStream([shard], StreamConfig(seq_len=16, group_size=1), passes=1)
+    rows = []
+    with pytest.raises(StreamExhausted):
+        while True:
+            rows.append(stream.next_row())
+    assert sum(_marked_count(r) for r in rows) == marked_tokens
+    empty = TokenStream([shard], StreamConfig(seq_len=16, group_size=1), rank=3, world_size=4, passes=1)
+    with pytest.raises(StreamExhausted):
+        empty.next_row()

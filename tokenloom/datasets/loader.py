@@ -1,0 +1,285 @@
+"""The training loader: canonical readers, mixtures of datasets, and segments that follow new snapshots.
+
+Why canonical readers (MosaicML Streaming's elastic determinism). If the order of rows depended
+on the number of ranks, a run saved on two ranks could not resume on one with the rows it would
+have seen. So the rows are made by a fixed number C of *canonical readers* (`stream.readers`),
+whatever the world size W: reader c is a `TokenStream` split (c of C) of every source, packing
+its own rows, and global row g is row g // C of reader g % C. Rank r of W (W divides C) takes the
+global rows r, r + W, r + 2W, ... of each step's block of W x B rows, which all come from its own
+readers c = r (mod W); the rows of a step are the same set for any W with the same W x B. The
+state is the number of global rows consumed plus every reader's state, so any W dividing C can
+resume it (`LoaderState`, gathered from all ranks into the checkpoint).
+
+Mixtures (`[[stream.sources]]`, `--mix a=0.7,b=0.3`). Each source is a dataset (at a snapshot)
+with a weight; a reader draws the source of each of its rows from a generator seeded by (seed,
+stage, reader, row), so the draw is a pure function of the row's place, and the reader keeps one
+stream (one cursor) per source. A source's ids must mean what the run's manifest says (the job
+checks that every source's manifest is a prefix of the one the model uses).
+
+Follow mode (`train --follow`). A snapshot committed to a source during training becomes a
+*segment*: the files it added, read once (`TokenStream(passes=1)`, split over the readers like
+everything else) before the reader draws from its sources again. A segment starts at the global
+row where the trainer learnt of it (`Segment.from_row`), so a reader's rows before that never
+change, segments are read in commit order, and every sample of a segment is trained exactly once.
+Segments are part of the state, so a resumed run rebuilds them.
+
+Stages (context extension) are the trainer's: it builds a new `Loader` per stage with that
+stage's `seq_len` and weights and the stage index, which seeds it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from tokenloom.contract import ROW_KEYS
+from tokenloom.datasets.packing import fill_ratio
+from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamExhausted, TokenStream
+
+__all__ = ["Loader", "LoaderState", "Segment", "Source", "draw_sources", "parse_mix"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset of a mixture: its name, the data files of the snapshot trained on, its weight."""
+
+    name: str
+    files: tuple[ShardFile, ...]
+    weight: float = 1.0
+    snapshot_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Files a snapshot committed during training added to `source`: read once, from global row
+    `from_row` on, before the sources' own rows."""
+
+    source: str
+    snapshot_id: int
+    files: tuple[ShardFile, ...]
+    from_row: int
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "snapshot_id": self.snapshot_id, "from_row": self.from_row,
+                "files": [[f.path, f.num_rows] for f in self.files]}
+
+    @staticmethod
+    def from_dict(d: dict) -> Segment:
+        return Segment(d["source"], int(d["snapshot_id"]), tuple(ShardFile(p, int(n)) for p, n in d["files"]),
+                       int(d["from_row"]))
+
+
+@dataclass
+class LoaderState:
+    rows: int = 0  # global rows consumed (by all ranks together)
+    readers: dict[int, dict] = field(default_factory=dict)  # reader -> its state (every reader, once gathered)
+    segments: list[Segment] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "readers": {str(c): s for c, s in sorted(self.readers.items())},
+                "segments": [s.to_dict() for s in self.segments]}
+
+    @staticmethod
+    def from_dict(d: dict) -> LoaderState:
+        if "readers" not in d:
+            raise ValueError("the checkpoint's stream state predates canonical readers (stream.readers); "
+                             "it cannot be resumed exactly: start the run afresh")
+        return LoaderState(int(d["rows"]), {int(c): s for c, s in d["readers"].items()},
+                           [Segment.from_dict(s) for s in d.get("segments", [])])
+
+
+def parse_mix(text: str) -> list[tuple[str, float]]:
+    """`a=0.7,b=0.3` -> [("a", 0.7), ("b", 0.3)], with a one-line error for anything else."""
+    out = []
+    for part in text.split(","):
+        name, eq, weight = part.strip().partition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = -1.0
+        if not eq or not name or not value > 0:
+            raise ValueError(f"--mix {text!r}: expected DATASET=WEIGHT[,DATASET=WEIGHT...] with weights > 0")
+        out.append((name.strip(), value))
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError(f"--mix {text!r} names a dataset twice")
+    return out
+
+
+def draw_sources(weights: Sequence[float], seed: int, stage: int, reader: int, rows: np.ndarray) -> np.ndarray:
+    """The source index of each of a reader's `rows`: a pure function of (seed, stage, reader, row)."""
+    p = np.asarray(weights, dtype=np.float64)
+    cdf = np.cumsum(p / p.sum())
+    u = np.array([np.random.default_rng([seed, stage, reader, int(r)]).random() for r in rows])
+    return np.minimum(np.searchsorted(cdf, u, side="right"), len(p) - 1)
+
+
+def _seed(seed: int, *parts: object) -> int:
+    return zlib.crc32("/".join(str(p) for p in (seed, *parts)).encode())
+
+
+class _Reader:
+    """Canonical reader `index` of `readers`: one stream per source and per pending segment."""
+
+    def __init__(self, index: int, readers: int, sources: Sequence[Source], config: StreamConfig, stage: int):
+        self.index, self.readers, self.config, self.stage = index, readers, config, stage
+        self.names = [s.name for s in sources]
+        self.weights = [s.weight for s in sources]
+        self.streams: list[TokenStream] = []
+        for k, s in enumerate(sources):
+            seed = config.seed if (k, stage) == (0, 0) else _seed(config.seed, stage, s.name)
+            try:
+                self.streams.append(TokenStream(s.files, replace(config, seed=seed), rank=index, world_size=readers))
+            except ValueError as exc:
+                raise ValueError(f"source {s.name!r}: {exc} (stream.readers = {readers} canonical readers each "
+                                 "need a share of its samples)") from None
+        self.rows = 0
+        self.segments: list[tuple[Segment, TokenStream | None]] = []  # None: read to its end
+
+    def add(self, segment: Segment, state: dict | None = None) -> None:
+        cfg = replace(self.config, seed=_seed(self.config.seed, "follow", segment.snapshot_id))
+        stream = TokenStream(segment.files, cfg, rank=self.index, world_size=self.readers, passes=1)
+        if state == "done":
+            self.segments.append((segment, None))
+            return
+        if state is not None:
+            stream.load_state_dict(state)
+        self.segments.append((segment, stream))
+
+    def next_row(self) -> tuple[str, int, dict[str, np.ndarray]]:
+        """The reader's next row, the source it came from and its segment's snapshot (-1: none)."""
+        g = self.index + self.readers * self.rows  # this row's global index
+        for i, (segment, stream) in enumerate(self.segments):
+            if stream is None or g < segment.from_row:
+                continue
+            try:
+                row = stream.next_row()
+            except StreamExhausted:
+                self.segments[i] = (segment, None)
+                continue
+            self.rows += 1
+            return segment.source, segment.snapshot_id, row
+        k = 0 if len(self.streams) == 1 else int(draw_sources(self.weights, self.config.seed, self.stage, self.index,
+                                                              np.array([self.rows]))[0])
+        self.rows += 1
+        return self.names[k], -1, self.streams[k].next_row()
+
+    def state_dict(self) -> dict:
+        return {"rows": self.rows, "sources": {n: s.state_dict() for n, s in zip(self.names, self.streams,
+                                                                                   strict=True)},
+                "segments": [("done" if s is None else s.state_dict()) for _, s in self.segments]}
+
+    def load_state_dict(self, state: dict, segments: Sequence[Segment]) -> None:
+        if sorted(state["sources"]) != sorted(self.names):
+            raise ValueError(f"the checkpoint's reader streamed sources {sorted(state['sources'])}, this run "
+                             f"{sorted(self.names)}: resume with the same stream sources")
+        self.rows = int(state["rows"])
+        for name, stream in zip(self.names, self.streams, strict=True):
+            stream.load_state_dict(state["sources"][name])
+        self.segments = []
+        for segment, seg_state in zip(segments, state["segments"], strict=True):
+            self.add(segment, seg_state)
+
+
+class Loader:
+    """Batches of rows for one data-parallel rank, from `readers` canonical readers (see the module
+    docstring). Each batch holds the row keys, `fill_ratio` [B], `source` [B] (each row's source
+    name), `row` [B] (each row's global index) and `segment` [B] (the followed snapshot a row comes
+    from, -1 for the sources' own rows)."""
+
+    def __init__(self, sources: Sequence[Source], config: StreamConfig, readers: int, rank: int = 0,
+                 world_size: int = 1, stage: int = 0, state: LoaderState | None = None):
+        if not sources:
+            raise ValueError("the loader needs at least one source")
+        if len({s.name for s in sources}) != len(sources):
+            raise ValueError(f"stream sources name a dataset twice: {[s.name for s in sources]}")
+        if any(not s.weight > 0 for s in sources):
+            raise ValueError(f"stream source weights must be > 0, got {[(s.name, s.weight) for s in sources]}")
+        if readers < 1 or readers % world_size:
+            raise ValueError(f"stream.readers ({readers}) must be a multiple of the number of ranks ({world_size}): "
+                             "the row order is fixed by the canonical readers, each rank reads readers/ranks of them")
+        self.sources, self.config, self.readers = list(sources), config, readers
+        self.rank, self.world, self.stage = rank, world_size, stage
+        self.own = {c: _Reader(c, readers, sources, config, stage) for c in range(rank, readers, world_size)}
+        self.rows = 0
+        self.segments: list[Segment] = []
+        if state is not None:
+            self.load(state)
+
+    def follow(self, source: str, snapshot_id: int, files: Sequence[ShardFile]) -> Segment | None:
+        """Read the files a new snapshot of `source` added once, from the next global row on
+        (every rank calls this at the same step). None when they hold no sample."""
+        if source not in {s.name for s in self.sources}:
+            raise ValueError(f"follow: {source!r} is not a source of this run")
+        files = tuple(f for f in files if f.num_rows > 0)
+        if not files:
+            return None
+        segment = Segment(source, int(snapshot_id), files, self.rows)
+        self.segments.append(segment)
+        for reader in self.own.values():
+            reader.add(segment)
+        return segment
+
+    def take_segments(self, other: Loader) -> None:
+        """Continue `other`'s unfinished segments here (a new stage's loader): each reader keeps its
+        cursor and packing window in them, from this loader's next row on. The pieces pending were
+        cut for `other`'s row length, so this one's must be at least as long."""
+        if other.config.seq_len > self.config.seq_len and other.segments:
+            raise ValueError(f"a stage shortens rows from {other.config.seq_len} to {self.config.seq_len} while "
+                             "follow-mode segments are still being read; such a stage cannot take them over")
+        old = other.state()
+        self.segments = [replace(s, from_row=self.rows) for s in other.segments]
+        for c, reader in self.own.items():
+            reader.segments = []
+            for segment, seg_state in zip(self.segments, old.readers[c]["segments"], strict=True):
+                reader.add(segment, seg_state)
+
+    def next_rows(self, count: int) -> list[tuple[int, str, int, dict[str, np.ndarray]]]:
+        """This rank's share of the next `count` x world global rows: (global row, source, segment, row)."""
+        out = []
+        for j in range(count):
+            g = self.rows + self.rank + self.world * j
+            reader = self.own[g % self.readers]
+            if reader.index + self.readers * reader.rows != g:
+                raise RuntimeError(f"reader {reader.index} is at row {reader.rows}, global row {g} expected")
+            out.append((g, *reader.next_row()))
+        self.rows += count * self.world
+        return out
+
+    def batches(self, batch_size: int) -> Iterator[dict]:
+        while True:
+            rows = self.next_rows(batch_size)
+            batch = {k: np.stack([r[k] for *_, r in rows]) for k in ROW_KEYS}
+            batch["fill_ratio"] = fill_ratio(batch["modality"])
+            batch["source"] = [s for _, s, _, _ in rows]
+            batch["row"] = np.array([g for g, *_ in rows])
+            batch["segment"] = np.array([seg for _, _, seg, _ in rows])
+            yield batch
+
+    @property
+    def skipped(self) -> int:
+        """Samples this rank's readers skipped because a media segment is longer than a row."""
+        return sum(s.state.skipped for r in self.own.values() for s in r.streams)
+
+    def state(self) -> LoaderState:
+        """This rank's view: global rows, its own readers' states, the segments."""
+        return LoaderState(self.rows, {c: r.state_dict() for c, r in self.own.items()}, list(self.segments))
+
+    def load(self, state: LoaderState) -> None:
+        missing = sorted(set(self.own) - set(state.readers))
+        if missing:
+            raise ValueError(f"the stream state has no state for canonical readers {missing} (it was saved with "
+                             f"another stream.readers): resume with the same stream.readers")
+        self.rows, self.segments = state.rows, list(state.segments)
+        for c, reader in self.own.items():
+            reader.load_state_dict(state.readers[c], self.segments)
+
+    @staticmethod
+    def merge(states: Sequence[LoaderState]) -> LoaderState:
+        """One state from every rank's (the readers' union)."""
+        readers: dict[int, dict] = {}
+        for s in states:
+            readers.update(s.readers)
+        return LoaderState(states[0].rows, readers, list(states[0].segments))
