@@ -8,6 +8,20 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_ray_session():
+    """The ingestion tests share the local Ray runtime the first of them starts (`platform.ingest.
+    ensure_ray` reuses a running one): starting Ray and its workers costs tens of seconds per
+    module on two cores. It stops when the session ends."""
+    yield
+    import sys
+
+    if "ray" in sys.modules:
+        from tokenloom.platform.ingest import shutdown_ray
+
+        shutdown_ray()
+
+
 @pytest.fixture(scope="session")
 def stdlib_corpus(tmp_path_factory) -> Path:
     from tokenloom.samples.text import write_sample_corpus

@@ -17,7 +17,6 @@ from tokenloom.jobs.config import RunConfig
 from tokenloom.jobs.home import Home, open_catalog
 from tokenloom.jobs.ingest import ingest
 from tokenloom.jobs.tokenizer import decode_sample
-from tokenloom.platform.ingest import shutdown_ray
 from tokenloom.samples.audio import tone, write_sample_audio
 
 pytestmark = pytest.mark.integration
@@ -44,7 +43,6 @@ def ingested(tmp_path_factory, text_bundle):
     shutil.copytree(text_bundle.path, home.bundles / text_bundle.id)
     cfg.ingest.ray.progress_bars = False
     result = ingest(home, [inputs], "sounds", cfg, {"text": text_bundle.id, "audio": audio.id})
-    shutdown_ray()
     rows = open_catalog(home, cfg).scan("sounds").to_pylist()
     return home, cfg, inputs, result, rows, audio
 

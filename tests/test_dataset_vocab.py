@@ -64,7 +64,6 @@ def test_image_job_then_audio_job_share_no_id_and_train(tmp_path, text_bundle, m
     from tokenloom.jobs.home import Home, open_catalog
     from tokenloom.jobs.ingest import ingest
     from tokenloom.jobs.train import leave_process_group, train
-    from tokenloom.platform.ingest import shutdown_ray
     from tokenloom.samples.audio import tone
     from tokenloom.tokenizers.audio import AudioTokenizer, AudioTokenizerConfig
     from tokenloom.tokenizers.audio import publish_bundle as publish_audio
@@ -100,7 +99,6 @@ def test_image_job_then_audio_job_share_no_id_and_train(tmp_path, text_bundle, m
     first = ingest(home, [photos], "mix", cfg, {"text": text_bundle.id, "visual": visual.id})
     second = ingest(home, [clips], "mix", cfg, {"text": text_bundle.id, "audio": audio.id})
     again = ingest(home, [photos], "mix", cfg, {"text": text_bundle.id, "visual": visual.id})
-    shutdown_ray()
     assert (first.samples, second.samples) == (3, 5) and again.already_committed  # a re-run stays a no-op
 
     catalog = open_catalog(home, cfg)
@@ -153,7 +151,6 @@ def test_adding_changing_and_removing_files(tmp_path, text_bundle):
     from tokenloom.jobs.config import RunConfig
     from tokenloom.jobs.home import Home, open_catalog
     from tokenloom.jobs.ingest import ingest
-    from tokenloom.platform.ingest import shutdown_ray
 
     home = Home(tmp_path / "home")
     shutil.copytree(text_bundle.path, home.bundles / text_bundle.id)
@@ -201,6 +198,5 @@ def test_adding_changing_and_removing_files(tmp_path, text_bundle):
     assert (fifth.samples, fifth.deleted_samples, fifth.sources["removed"]) == (0, 2, 1)
     assert per_source() == {"f0.jsonl": 3, "f2.jsonl": 2, "f3.jsonl": 1}
     sixth = ingest(home, [docs], "grow", cfg, refs, sync=True)  # f1 left the index: nothing to do
-    shutdown_ray()
     assert sixth.already_committed and sixth.sources == {"new": 0, "changed": 0, "unchanged": 3, "removed": 0}
     assert len(open_catalog(home, cfg).history("grow")) == 4

@@ -30,7 +30,6 @@ from tokenloom.jobs.config import RunConfig
 from tokenloom.jobs.home import Home, open_catalog
 from tokenloom.jobs.ingest import ingest
 from tokenloom.platform.config import DedupConfig
-from tokenloom.platform.ingest import shutdown_ray
 from tokenloom.samples.images import PHOTOS, sample_photos
 
 
@@ -218,7 +217,6 @@ def planted(tmp_path_factory, text_bundle, corpus_texts):
     rows1 = catalog.scan("dups").to_pylist()
     snap1 = catalog.snapshot("dups")
     second = ingest(home, [job2], "dups", cfg, bundles)
-    shutdown_ray()
     snap2 = catalog.snapshot("dups")
     rows2 = catalog.scan("dups").to_pylist()
 

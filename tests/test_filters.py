@@ -24,7 +24,6 @@ from tokenloom.datasets.filters import FILTERS, FilterConfig, first_failure
 from tokenloom.jobs.config import RunConfig, apply_overrides
 from tokenloom.jobs.home import Home, open_catalog
 from tokenloom.jobs.ingest import ingest
-from tokenloom.platform.ingest import shutdown_ray
 from tokenloom.samples.audio import tone
 from tokenloom.samples.images import PHOTOS, sample_photos
 
@@ -163,7 +162,6 @@ def filtered_job(tmp_path_factory, text_bundle, corpus_texts):
     audio = publish_bundle(model.eval(), home.bundles)
     shutil.copytree(text_bundle.path, home.bundles / text_bundle.id)
     result = ingest(home, [inputs], "quality", cfg, {"text": text_bundle.id, "visual": visual.id, "audio": audio.id})
-    shutdown_ray()
     catalog = open_catalog(home, cfg)
     texts = str((inputs / "texts.jsonl").resolve())
     expected = {sources.sample_id(texts, f"line {n}"): name for n, (name, _) in planted_text.items()}

@@ -15,7 +15,6 @@ from tokenloom.jobs.config import RunConfig
 from tokenloom.jobs.home import Home, open_catalog
 from tokenloom.jobs.ingest import ingest
 from tokenloom.jobs.tokenizer import decode_sample
-from tokenloom.platform.ingest import shutdown_ray
 from tokenloom.samples.images import write_bad_images, write_odd_images, write_sample_images
 
 pytestmark = pytest.mark.integration
@@ -60,7 +59,6 @@ def ingested(tmp_path_factory, text_bundle):
     cfg.ingest.ray.progress_bars = False
     cfg.ingest.ray.num_cpus = 0
     result = ingest(home, [inputs], "mixed", cfg, {"text": text_bundle.id, "visual": visual.id})
-    shutdown_ray()
     rows = open_catalog(home, cfg).scan("mixed").to_pylist()
     return home, cfg, inputs, result, rows, bad, odd, visual
 

@@ -175,7 +175,10 @@ def test_expert_parallel_training_over_two_processes(demo_home, tmp_path):
     # one rank multiplies both ranks' rows at once, and the weights then agree only to ~3e-5
     args = ["train", "--dataset", "stdlib-docs", "--steps", "4", "--json", "--home", str(home), "model.dim=32",
             "model.n_layers=1", "model.n_heads=1", "model.moe.n_experts=4", "stream.seq_len=256",
-            "train.micro_batch_size=1", "train.warmup_steps=1", "train.precision=fp32", "stream.holdout=0.25"]
+            "train.micro_batch_size=1", "train.warmup_steps=1", "train.precision=fp32", "stream.holdout=0.25",
+            # elastic steps with lazy AdamW (#15): experts outside a step's sub-model get no update, on
+            # either placement (measured: the same losses, weights within 6.3e-8 with two layers)
+            "model.elastic.enabled=true", "train.optimizer=lazy_adamw"]
     # (rows of 256 hold the tiny demo's images and clips whole, so each modality is held out)
 
     def launch(name: str, world: int, *extra: str) -> dict:

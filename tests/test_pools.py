@@ -10,7 +10,7 @@ import pytest
 def test_task_and_actor_pools_commit_the_same_samples(tmp_path, stdlib_corpus, text_bundle):
     from tokenloom.catalog import CatalogConfig, TokenCatalog
     from tokenloom.platform.config import IngestConfig
-    from tokenloom.platform.ingest import run_ingest, shutdown_ray
+    from tokenloom.platform.ingest import run_ingest
     from tokenloom.tokenizers.text import TextTokenizer
     from tokenloom.tokenizers.vocab import VocabManifest
 
@@ -25,5 +25,4 @@ def test_task_and_actor_pools_commit_the_same_samples(tmp_path, stdlib_corpus, t
         assert result.samples > 10
         table = catalog.scan(name, columns=("sample_id", "tokens", "content_hash"))
         rows[name] = sorted(zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True))
-    shutdown_ray()
     assert rows["tasks"] == rows["actors"]
