@@ -34,15 +34,16 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tokenloom.contract import IGNORE_INDEX, MODALITIES, MODALITY_SLOTS, PAD_MODALITY
+from tokenloom.contract import IGNORE_INDEX, MODALITIES, MODALITY_SLOTS
 from tokenloom.datasets import ShardFile, StreamConfig
-from tokenloom.datasets.loader import Loader, LoaderState, Source
+from tokenloom.datasets.loader import Source
 from tokenloom.model import ModelConfig
 from tokenloom.model.elastic import sample_submodel
 from tokenloom.model.io import save_model
 from tokenloom.model.unified import UnifiedModel, mask_indices, routing_metrics
 from tokenloom.trainer import checkpoints
 from tokenloom.trainer.config import TrainConfig
+from tokenloom.trainer.data import RunData
 from tokenloom.trainer.distributed import init_distributed, use_bf16
 from tokenloom.trainer.evaluate import by_modality, evaluate, group_by_mix
 from tokenloom.trainer.metrics import MetricsLog, peak_memory, plot_loss, plot_routing
@@ -194,7 +195,7 @@ def train(
     else:
         optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=train_cfg.betas)
     engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    start_step, loader_state, saved_stage, resumed_tokens = 0, None, 0, {}
+    start_step, client = 0, None
     if resume_from is not None:
         _, client = engine.load_checkpoint(str(load_dir), tag=load_tag)
         if client is None:
@@ -204,8 +205,6 @@ def train(
             from tokenloom.trainer.expert_parallel import refresh_after_checkpoint_load
 
             refresh_after_checkpoint_load(engine)
-        loader_state, saved_stage = LoaderState.from_dict(client["data"]), int(client.get("stage", 0))
-        resumed_tokens = client.get("tokens_by_source", {})
         start_step = int(client["step"])
         # the groups' lr as the scheduler set it at the saved step (a universal load does not restore it)
         for group, lr in zip(engine.optimizer.param_groups, scheduler.get_lr(), strict=True):
@@ -218,38 +217,7 @@ def train(
         (run_dir / "config.json").write_text(json.dumps(
             {"model": asdict(model_cfg), "stream": asdict(stream_cfg), "train": asdict(train_cfg),
              "world_size": world, "bf16_autocast": bf16}, indent=2))
-    base_theta = model_cfg.rope_theta
-
-    def stage_loader(stage: int, state: LoaderState | None):
-        """The loader of `stage` (its seq_len, weights and seed) and its rows per micro-batch."""
-        st = train_cfg.stages[stage] if train_cfg.stages else None
-        cfg, srcs, rows = stream_cfg, sources, train_cfg.micro_batch_size
-        if st is not None:
-            positions = train_cfg.micro_batch_size * stream_cfg.seq_len
-            if positions % st.seq_len:
-                raise ValueError(f"train.stages[{stage}].seq_len {st.seq_len} does not divide the positions per "
-                                 f"micro-batch ({train_cfg.micro_batch_size} x stream.seq_len {stream_cfg.seq_len})")
-            unknown = sorted(set(st.weights) - {s.name for s in sources})
-            if unknown:
-                raise ValueError(f"train.stages[{stage}].weights names {unknown}, not sources of this run "
-                                 f"({[s.name for s in sources]})")
-            cfg, rows = replace(stream_cfg, seq_len=st.seq_len), positions // st.seq_len
-            srcs = [replace(s, weight=st.weights.get(s.name, s.weight)) for s in sources]
-            engine.module.cfg.rope_theta = st.rope_theta or base_theta
-        return Loader(srcs, cfg, stream_cfg.readers, rank, world, stage, state), rows
-
-    stage = train_cfg.stage_at(start_step)
-    if loader_state is not None and saved_stage != stage:  # saved at a stage boundary: carry its segments over
-        old, _ = stage_loader(saved_stage, loader_state)
-        loader, rows_per_batch = stage_loader(stage, None)
-        loader.take_segments(old)
-    else:
-        loader, rows_per_batch = stage_loader(stage, loader_state)
-    batches = loader.batches(rows_per_batch)
-    tokens_by_source: dict[str, int] = {s.name: int(resumed_tokens.get(s.name, 0)) if resume_from else 0
-                                        for s in sources}
-    rows_log = (run_dir / "rows.jsonl").open("a" if resume_from else "w") if train_cfg.log_rows and rank == 0 \
-        else None
+    data = RunData(sources, stream_cfg, train_cfg, engine.module.cfg, rank, world, start_step, client, run_dir)
     losses: list[float] = []
     recent: list[StepStats] = []
     tokens_seen, train_seconds = 0, 0.0
@@ -291,40 +259,22 @@ def train(
         return doc
 
     def save(at_step: int) -> Path:
-        client = {"data": _gather_states(loader, world), "step": at_step, "world_size": world, "stage": stage,
-                  "stream": asdict(stream_cfg), "files": [f.path for f in files],
-                  "tokens_by_source": tokens_by_source}
+        client = {**data.checkpoint_state(), "step": at_step, "world_size": world, "stream": asdict(stream_cfg),
+                  "files": [f.path for f in files]}
         manifest = {**(provenance or {}), "files": len(files),
                     "config": {"model": asdict(model_cfg), "stream": asdict(stream_cfg), "train": asdict(train_cfg)}}
         path = checkpoints.save(engine, run_dir / checkpoints.ROOT, at_step, client, manifest, train_cfg.keep_last,
                                 rank, world)
         schedule.saved()
         return path
-    source_index = {s.name: i for i, s in enumerate(sources)}
-    segments: list[dict] = [s.to_dict() | {"files": len(s.files)} for s in loader.segments]
-    seen = {s.name: s.snapshot_id for s in sources}  # follow mode: the newest snapshot streamed per source
-    seen.update({s.source: s.snapshot_id for s in loader.segments})
     for step in range(start_step, end_step):
-        if stage + 1 < len(train_cfg.stage_bounds()) and step >= train_cfg.stage_bounds()[stage + 1][0]:
-            stage += 1  # a new stage: its own loader, seq_len and rows per micro-batch; unread segments go along
-            old = loader
-            loader, rows_per_batch = stage_loader(stage, None)
-            loader.take_segments(old)
-            batches = loader.batches(rows_per_batch)
-            if metrics is not None:
-                metrics.log({"step": step, "stage": stage, "seq_len": loader.config.seq_len,
-                             "rows_per_micro_batch": rows_per_batch})
+        switched = data.at_step(step)
+        if switched is not None and metrics is not None:
+            metrics.log(switched)
         if follow is not None and step > start_step and step % train_cfg.follow_every == 0:
-            for seg in _broadcast(follow(seen) if rank == 0 else None, world):
-                seen[seg[0]] = seg[1]
-                added = loader.follow(*seg)
-                if added is not None:
-                    doc = {"source": added.source, "snapshot_id": added.snapshot_id, "files": len(added.files),
-                           "samples": sum(f.num_rows for f in added.files), "from_row": added.from_row,
-                           "step": step}
-                    segments.append(doc)
-                    if metrics is not None:
-                        metrics.log({"step": step, "follow": doc})
+            for doc in data.follow(step, _broadcast(follow(data.seen) if rank == 0 else None, world)):
+                if metrics is not None:
+                    metrics.log({"step": step, "follow": doc})
         if unfreezing is not None:
             unfreezing.at(step)
         t0 = time.perf_counter()
@@ -332,14 +282,8 @@ def train(
         stats = StepStats(model_cfg.n_layers, model_cfg.moe.n_experts, len(sources))
         step_loss = 0.0
         for _ in range(train_cfg.grad_accum):
-            raw = next(batches)
+            raw = data.next_batch(step, stats.sources)
             window_fill.append(float(raw.pop("fill_ratio").mean()))  # non-padding share of the rows
-            row_sources, row_ids, row_segments = raw.pop("source"), raw.pop("row"), raw.pop("segment")
-            targets = (raw["labels"] != IGNORE_INDEX).sum(axis=(1, 2))
-            for name, n in zip(row_sources, targets, strict=True):
-                stats.sources[source_index[name]] += int(n)
-            if train_cfg.log_rows:  # a collective: every rank takes part, rank 0 writes
-                _log_rows(rows_log, step, raw, row_sources, row_ids, row_segments, world)
             batch = _to_tensors(raw, engine.device)
             indices = mask_indices(batch)  # the attention mask's intervals, once per micro-batch
             with autocast:
@@ -350,8 +294,7 @@ def train(
             step_loss += loss.item() / train_cfg.grad_accum
             tokens_seen += int((batch["labels"] != IGNORE_INDEX).sum()) * world
         stats.reduce(world)
-        for name, i in source_index.items():
-            tokens_by_source[name] += int(stats.sources[i])
+        data.add_counts(stats.sources)
         grad_norm = engine.get_global_grad_norm()  # of this step's update, before clipping
         if grad_norm is not None:
             window_grad_norms.append(float(grad_norm))
@@ -376,10 +319,10 @@ def train(
             if metrics is not None:
                 record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
                           "grad_norm": norms[-1] if norms else None, "grad_norm_max": max(norms, default=None),
-                          "fill_ratio": float(np.mean(fills)), "skipped_samples": loader.skipped,
+                          "fill_ratio": float(np.mean(fills)), "skipped_samples": data.loader.skipped,
                           "tokens_per_second": tokens_seen / max(train_seconds, 1e-9), **merged.modality_losses(),
-                          **peak_memory(engine.device), "submodel": sub.describe(), "stage": stage,
-                          "tokens_by_source": dict(tokens_by_source),
+                          **peak_memory(engine.device), "submodel": sub.describe(), "stage": data.stage,
+                          "tokens_by_source": dict(data.tokens_by_source),
                           **({"unfrozen_groups": unfreezing.unfrozen()} if unfreezing is not None else {})}
                 record.update(routing_metrics(merged.loads))
                 metrics.log(record)
@@ -387,8 +330,7 @@ def train(
             checkpoint = save(step + 1)
             held_out_eval(step + 1)
     bar.close()
-    if rows_log is not None:
-        rows_log.close()
+    data.close()
 
     if train_cfg.save_checkpoint:  # the periodic saves stop short of the last step: this one is new
         checkpoint = save(end_step)
@@ -424,9 +366,9 @@ def train(
         active_parameters=active_parameters(model_cfg, parameters),
         val_loss=final_eval,
         evaluations=evaluations,
-        tokens_by_source=tokens_by_source,
-        segments=segments,
-        stage=stage,
+        tokens_by_source=data.tokens_by_source,
+        segments=data.segments,
+        stage=data.stage,
     )
 
 
@@ -476,17 +418,6 @@ def _check_resumable(client: dict, path: Path, world: int, stream_cfg: StreamCon
                          "(see source.json in its run folder)")
 
 
-def _gather_states(loader: Loader, world: int) -> dict:
-    """Every canonical reader's state (each rank holds its own readers'), so any number of ranks
-    that divides the readers can resume from the checkpoint."""
-    state = loader.state()
-    if world == 1:
-        return state.to_dict()
-    gathered: list[LoaderState | None] = [None] * world
-    torch.distributed.all_gather_object(gathered, state)
-    return Loader.merge(gathered).to_dict()
-
-
 def _broadcast(value, world: int):
     """Rank 0's `value` on every rank."""
     if world == 1:
@@ -494,24 +425,3 @@ def _broadcast(value, world: int):
     holder = [value]
     torch.distributed.broadcast_object_list(holder, src=0)
     return holder[0]
-
-
-def _log_rows(out, step: int, raw: dict, sources: list[str], rows: np.ndarray, segments: np.ndarray,
-              world: int) -> None:
-    """Append this micro-batch's rows of every rank to rows.jsonl (rank 0 writes; `out` is None on the
-    other ranks): global index, source, followed snapshot (-1: none), non-padding positions and the
-    CRC-32 of the row's ids and labels."""
-    import zlib
-
-    mine = [{"row": int(g), "source": src, "segment": int(seg),
-             "positions": int((raw["modality"][i] != PAD_MODALITY).sum()),
-             "crc": zlib.crc32(raw["ids"][i].tobytes() + raw["labels"][i].tobytes())}
-            for i, (g, src, seg) in enumerate(zip(rows, sources, segments, strict=True))]
-    if world > 1:
-        gathered: list[list | None] = [None] * world
-        torch.distributed.all_gather_object(gathered, mine)
-        mine = [r for part in gathered for r in part]
-    if out is not None:
-        for r in sorted(mine, key=lambda r: r["row"]):
-            out.write(json.dumps({"step": step, **r}) + "\n")
-        out.flush()
