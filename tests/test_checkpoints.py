@@ -446,3 +446,27 @@ def test_follow_mode_trains_once_on_a_snapshot_ingested_during_the_run(docs_home
     assert new_tokens > 0
     assert sum(r["positions"] for r in rows if r["segment"] == snapshot) == new_tokens, "exactly once"
     assert all(r["segment"] == -1 for r in rows if r["step"] < first)
+
+
+@pytest.mark.integration
+def test_a_text_only_dataset_and_a_run_without_routing_still_make_a_report(docs_home, tmp_path):
+    """No audio or image in the dataset, a run whose metrics hold no routing figures and no PNGs:
+    the report still renders (in Chromium, without console errors) and says what is missing."""
+    from browser import inspect_page, need_browser
+    from cli_runner import run
+
+    need_browser()
+    dense = tmp_path / "dense-run"
+    dense.mkdir()
+    (dense / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 6.0 - 0.1 * s, "lr": 1e-3,
+                                                             "grad_norm": 1.0, "tokens_per_second": 1000.0}) + "\n"
+                                                 for s in range(5)))
+    doc = run("report", "docs", "--run", str(dense), "--out", str(tmp_path / "report"), "--samples", "2", "--json",
+              home=docs_home).json()
+    html = Path(doc["report"]).read_text()
+    assert doc["samples"] == 2 and doc["runs"] == ["dense-run"]
+    assert "audio+text" not in html and "no per-pool figures" in html
+    seen = inspect_page(Path(doc["report"]), tmp_path / "report.png")
+    assert seen["errors"] == [] and seen["audio"] == 0 and seen["rendered"] == seen["plots"] >= 4, seen
+    bad = run("report", "docs", "--run", "nosuch", "--out", str(tmp_path / "r2"), home=docs_home)
+    assert bad.returncode == 2 and "--run nosuch" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

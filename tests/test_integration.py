@@ -305,3 +305,27 @@ def test_deployment_tiers_from_the_command_line(demo_home, tmp_path):
 
     bad = run("model", "export", s["run_dir"], "--out", str(tmp_path / "x"), "--tier", "tiny")
     assert bad.returncode == 2 and "tier must be one of" in bad.stderr
+
+
+def test_the_demo_report_opens_in_a_browser_with_every_plot_image_and_player(demo_home, tmp_path):
+    """The report the demo wrote, opened from disk in headless Chromium: no console error, every plot
+    rendered, every decoded image and every audio player loaded; a screenshot under the test's folder."""
+    from browser import inspect_page, need_browser
+
+    need_browser()
+    home, s = demo_home
+    page = Path(s["report"])
+    assert page == home / "report" / "index.html" and page.stat().st_size < 10_000_000, "self-contained, < 10 MB"
+    html = page.read_text()
+    assert "cdn.plot.ly" not in html and "https://" not in html.split("</script>", 1)[1], "no network at view time"
+    seen = inspect_page(page, tmp_path / "report.png")
+    assert seen["errors"] == [], seen["errors"]
+    # token mix, lengths, quarantine/filter/duplicate reasons; 5 run overlays and the routing heatmap
+    assert seen["plots"] >= 8 and seen["rendered"] == seen["plots"], seen
+    assert seen["images"] >= 4 and seen["images_loaded"] == seen["images"], seen  # photos, spectrograms, PNGs
+    assert seen["audio"] >= 2 and seen["audio_loaded"] == seen["audio"], seen  # clips and the generated speech
+    assert (tmp_path / "report.png").stat().st_size > 50_000
+    # every modality mix of the dataset has decoded samples, with their ids
+    for mix in s["modalities"]:
+        assert f"{mix}" in html
+    assert html.count('class="sample"') >= 3 * 3

@@ -223,6 +223,7 @@ def demo(home: HomeOpt = None, json_out: JsonOpt = False,
                                           f"{summary['generations']['speech']['out']}"),
         ("home", summary["home"]),
         ("run (metrics, loss.png, routing.png)", summary["run_dir"]),
+        ("report (open in a browser)", summary["report"]),
         ("checkpoint", str(summary["checkpoint"])),
         ("wall time", f"{summary['seconds']:.0f} s"),
     ]
@@ -842,6 +843,31 @@ def generate_command(
     console.print(f"[dim]{doc['positions']} positions in {doc['seconds']:.2f}s "
                   f"({doc['positions_per_second']:,.0f}/s), mean log-probability {doc['logprob_mean']}[/]",
                   highlight=False)
+
+
+@app.command("report")
+@_user_errors
+def report_command(
+    dataset: Annotated[str, typer.Argument(help="The dataset to report on.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the report (index.html, self-contained).")],
+    at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
+    run: Annotated[list[str] | None, typer.Option("--run", help="A training run (name or folder) to show; "
+                                                  "repeatable, runs are overlaid.")] = None,
+    samples: Annotated[int, typer.Option("--samples", help="Decoded samples per modality mix.")] = 3,
+    seed: Annotated[int, typer.Option("--seed", help="Which samples (seeded choice).")] = 0,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, catalog_uri: CatalogUriOpt = None,
+):
+    """An HTML report of a dataset and training runs: snapshot lineage, token mix, lengths, quarantine
+    and filter reasons, decoded samples (text tokens, images, audio players) and run curves; one
+    self-contained file that opens from disk."""
+    from tokenloom.jobs import report as jobs
+
+    home_, cfg = _setup(home, config, None, catalog_uri=catalog_uri)
+    doc = jobs.report(home_, cfg, dataset, out, at=at, runs=run or [], samples=samples, seed=seed)
+    if json_out:
+        return _emit_json(doc)
+    console.print(f"report of {dataset}@{doc['snapshot_id']} ({doc['samples']} samples, {doc['plots']} plots, "
+                  f"{doc['bytes'] / 1e6:.1f} MB): {doc['report']}")
 
 
 def main() -> None:  # pragma: no cover

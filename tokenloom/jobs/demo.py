@@ -20,6 +20,7 @@ from tokenloom.jobs import tokenizer as tokenizer_jobs
 from tokenloom.jobs.config import RunConfig
 from tokenloom.jobs.home import Home
 from tokenloom.jobs.ingest import ingest
+from tokenloom.jobs.report import report
 from tokenloom.jobs.train import train
 from tokenloom.tokenizers import bundle as bundles
 from tokenloom.tokenizers.registry import neural_tokenizer
@@ -77,6 +78,7 @@ def demo(home: Home, cfg: RunConfig, progress: bool = True) -> dict:
     shutdown_ray()
     snapshot_id, trained = train(home, result.dataset, cfg, progress=progress, run_name="demo")
     generations = demo_generations(home, trained.run_dir)
+    page = report(home, cfg, result.dataset, home.root / "report", runs=[trained.run_dir])
     m = cfg.model
     return {
         "dataset": result.dataset, "snapshot_id": snapshot_id, "job_id": result.job_id,
@@ -95,7 +97,8 @@ def demo(home: Home, cfg: RunConfig, progress: bool = True) -> dict:
                  f"{m.moe.n_shared_experts} shared",
         "modality_loss": trained.modality_loss, "val_loss": trained.val_loss, "routing": trained.routing, "model_dir": trained.model_dir,
         "home": str(home.root), "run_dir": trained.run_dir, "checkpoint": trained.checkpoint,
-        "loss_plot": trained.loss_plot, "generations": generations, "seconds": time.perf_counter() - t0,
+        "loss_plot": trained.loss_plot, "generations": generations, "report": page["report"],
+        "seconds": time.perf_counter() - t0,
     }
 
 

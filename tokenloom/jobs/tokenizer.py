@@ -105,7 +105,7 @@ def decode_sample(home: Home, cfg, dataset: str, sample: str, out: Path, at: str
         if any(isinstance(p, part_type) for p in parts):
             if not vocab.bundles.get(kind):
                 raise ValueError(f"sample {sample} has {part_type.__name__}s but its vocabulary names no {kind} bundle")
-            decoders[part_type] = _decoder(home, kind, vocab.bundles[kind], levels)
+            decoders[part_type] = part_decoder(home, kind, vocab.bundles[kind], levels)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc: dict = {"dataset": dataset, "sample_id": sample, "images": [], "audio": [], "text": []}
@@ -127,13 +127,16 @@ def decode_sample(home: Home, cfg, dataset: str, sample: str, out: Path, at: str
     return doc
 
 
-def _decoder(home: Home, kind: str, bundle_id: str, levels: int | None):
-    """A function that writes (or returns) one part decoded with the bundle `bundle_id`."""
+def part_decoder(home: Home, kind: str, bundle_id: str, levels: int | None, per_token: bool = False):
+    """A function that writes (or returns) one part decoded with the bundle `bundle_id`; with
+    `per_token` a text part decodes to the list of its tokens' strings (the report shows them)."""
     path = home.bundle(bundle_id, kind).path
     if kind == "text":
         from tokenloom.tokenizers.text import TextTokenizer
 
         tok = TextTokenizer.load(path)
+        if per_token:
+            return lambda part: [tok.decode([int(i)]) for i in part.ids]
         return lambda part: tok.decode(part.ids.tolist())
     import torch
 
