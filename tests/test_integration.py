@@ -329,3 +329,11 @@ def test_the_demo_report_opens_in_a_browser_with_every_plot_image_and_player(dem
     for mix in s["modalities"]:
         assert f"{mix}" in html
     assert html.count('class="sample"') >= 3 * 3
+    # elastic sub-model evaluations saved with the run (`model eval --tiers`) appear as a table
+    tiers = _local("model", "eval", s["run_dir"], "--dataset", "stdlib-docs", "--batches", "1", "--tiers", "--json",
+                   home=home)
+    again = _local("report", "stdlib-docs", "--run", s["run_dir"], "--out", str(tmp_path / "again"), "--samples", "1",
+                   "--json", home=home)
+    table = Path(again["report"]).read_text().split('class="tiers"', 1)[1].split("</table>", 1)[0]
+    assert Path(tiers["saved"]).parent == Path(s["run_dir"]) / "evaluations"
+    assert [t in table for t in ("<td>full</td>", "<td>mid</td>", "<td>edge</td>")] == [True] * 3

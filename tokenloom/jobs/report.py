@@ -143,8 +143,23 @@ def _runs(home: Home, refs: list[str]) -> dict:
                   for f, title in (("loss.png", "loss.png"), ("routing.png", "routing.png: expert load heatmap"))
                   if (path / f).is_file()]
         items.append({"name": name, "rows": rows, "figures": [heat] if heat else [], "images": images,
-                      "generations": _generations(path / "generations")})
+                      "generations": _generations(path / "generations"), "tiers": _tiers(path / "evaluations")})
     return {"figures": [f for f in overlays if f], "list": items}
+
+
+TIER_COLUMNS = ("tier", "n_layers", "n_experts", "top_k", "parameters", "active_parameters", "loss", "loss_text",
+                "loss_image", "loss_audio", "tokens_per_second", "memory_bytes")
+
+
+def _tiers(folder: Path) -> list[dict]:
+    """The elastic sub-model (deployment tier) evaluations `model eval --tiers` saved with the run."""
+    out = []
+    for f in sorted(folder.glob("tiers-*.json")) if folder.is_dir() else []:
+        doc = json.loads(f.read_text())
+        fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else f"{v:,}"  # noqa: E731
+        out.append({"title": f"deployment tiers on {doc['dataset']}@{doc['snapshot_id']}", "columns": TIER_COLUMNS,
+                    "rows": [[fmt(r.get(c)) if c != "tier" else r[c] for c in TIER_COLUMNS] for r in doc["tiers"]]})
+    return out
 
 
 def _generations(folder: Path) -> list[dict]:

@@ -338,4 +338,11 @@ def evaluate_tiers(home: Home, cfg, source: Path, dataset: str, at: str | None =
                      "generated": made.positions, "tokens_per_second": made.positions / max(seconds, 1e-9),
                      "memory_bytes": weights + kv,
                      "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None})
-    return {"model": str(gen.folder), "dataset": dataset, "snapshot_id": summary["snapshot_id"], "tiers": rows}
+    doc = {"model": str(gen.folder), "dataset": dataset, "snapshot_id": summary["snapshot_id"], "tiers": rows}
+    run = gen.folder.parent
+    if (run / "metrics.jsonl").is_file():  # a run's model: the table goes with the run (the report shows it)
+        saved = run / "evaluations" / f"tiers-{dataset}-{summary['snapshot_id']}.json"
+        saved.parent.mkdir(exist_ok=True)
+        saved.write_text(json.dumps(doc, indent=2))
+        doc["saved"] = str(saved)
+    return doc

@@ -69,6 +69,8 @@ img.spec { width: 360px; } img.plot { max-width: 100%; border: 1px solid #eee; }
 {% for run in runs.list %}<h3>{{ run.name }}</h3>
 <table>{% for k, v in run.rows %}<tr><th>{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}</table>
 {% for fig in run.figures %}<div class="plot">{{ fig|safe }}</div>{% endfor %}
+{% for t in run.tiers %}<h4>{{ t.title }}</h4><table class="tiers"><tr>{% for c in t.columns %}<th>{{ c }}</th>{% endfor %}</tr>
+{% for r in t.rows %}<tr>{% for v in r %}<td>{{ v }}</td>{% endfor %}</tr>{% endfor %}</table>{% endfor %}
 {% for img in run.images %}<figure><img class="plot" alt="{{ img.title }}" src="data:image/png;base64,{{ img.png }}">
 <figcaption class="meta">{{ img.title }}</figcaption></figure>{% endfor %}
 {% for g in run.generations %}<div class="sample"><div class="meta">generated: {{ g.title }}</div>
