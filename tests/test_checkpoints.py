@@ -94,12 +94,14 @@ def test_resuming_what_has_no_checkpoint_is_one_line_and_status_2(tmp_path):
 
 @pytest.fixture(scope="module")
 def docs_home(tmp_path_factory, stdlib_corpus, text_bundle):
-    """A home with the sample corpus ingested once (Ray, in its own process) as dataset `docs`."""
+    """A home with the sample corpus ingested once as dataset `docs` (in this process: the session's
+    Ray runtime, see conftest)."""
+    from cli_runner import run
+
     home = tmp_path_factory.mktemp("ckpt-home")
     shutil.copytree(text_bundle.path, home / "bundles" / text_bundle.id)
-    r = subprocess.run([sys.executable, "-m", "tokenloom.cli", "ingest", str(stdlib_corpus), "--dataset", "docs",
-                        "--tokenizer", text_bundle.id, "--json", "--set", "ingest.ray.progress_bars=false"],
-                       capture_output=True, text=True, timeout=600, env=_clean_env(home))
+    r = run("ingest", str(stdlib_corpus), "--dataset", "docs", "--tokenizer", text_bundle.id, "--json", "--set",
+            "ingest.ray.progress_bars=false", home=home)
     assert r.returncode == 0, r.stderr[-3000:]
     return home
 
@@ -290,12 +292,13 @@ def _rows(run: Path) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.integration
-def test_a_run_saved_on_two_ranks_resumes_on_one_and_back_with_the_same_rows(docs_home, tmp_path):
+def test_a_run_saved_on_two_ranks_resumes_on_one_and_back_with_the_same_rows(docs_home, tmp_path, monkeypatch):
     """The canonical readers fix the rows whatever the number of ranks: a run stopped at step 3 on
     2 ranks and resumed on 1 (and the reverse) trains on exactly the rows, step by step, of an
     uninterrupted 1-rank run with the same rows per step (2 x 1 = 1 x 2); DeepSpeed's ZeRO shards
     of the other rank count are converted to its universal checkpoint on the way."""
-    from cli_runner import launch_ranks
+    import torch
+    from cli_runner import launch_ranks, run
 
     home, runs, steps = docs_home, docs_home / "runs", 6
     common = ["train", "--dataset", "docs", "--home", str(home), "--config", "tiny", "--steps", str(steps), "--json",
@@ -305,14 +308,27 @@ def test_a_run_saved_on_two_ranks_resumes_on_one_and_back_with_the_same_rows(doc
     def rows_per_rank(world: int) -> list[str]:
         return [f"train.micro_batch_size={2 // world}"]
 
-    straight = launch_ranks([*common, "--run", "ws-straight", *rows_per_rank(1)], 1, tmp_path, "straight")
+    def launch(args: list[str], world: int, name: str) -> dict:
+        if world == 1:  # in this process (no interpreter and torch import to wait for)
+            return _document(run(*args, *rows_per_rank(1)))
+        return launch_ranks([*args, *rows_per_rank(world)], world, tmp_path, name)
+
+    _one_rank(monkeypatch)
+    try:
+        straight = launch([*common, "--run", "ws-straight"], 1, "straight")
+        resumes = {}
+        for first, then in ((2, 1), (1, 2)):
+            name = f"ws-{first}-{then}"
+            launch([*common, "--run", name, "train.stop_after=3"], first, name)
+            resumes[(first, then)] = launch([*common, "--resume", name], then, f"{name}-resumed")
+    finally:
+        if torch.distributed.is_initialized():
+            destroy_process_group()
     expected = _rows(runs / "ws-straight")
     assert [s for s, _, _ in expected] == [s for s in range(steps) for _ in range(2)]
     assert [g for _, g, _ in expected] == list(range(2 * steps))
-    for first, then in ((2, 1), (1, 2)):
+    for (first, then), resumed in resumes.items():
         name = f"ws-{first}-{then}"
-        launch_ranks([*common, "--run", name, "train.stop_after=3", *rows_per_rank(first)], first, tmp_path, name)
-        resumed = launch_ranks([*common, "--resume", name, *rows_per_rank(then)], then, tmp_path, f"{name}-resumed")
         assert resumed["world_size"] == then and resumed["steps"] == steps - 3
         assert _rows(runs / name) == expected, f"saved on {first} rank(s), resumed on {then}"
         # the optimizer's state came through the conversion: the resumed losses follow the straight run's
@@ -418,9 +434,10 @@ def test_follow_mode_trains_once_on_a_snapshot_ingested_during_the_run(docs_home
         while max((r["step"] for r in _records(run_dir / "rows.jsonl")), default=-1) < 3:
             assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "train.err").read_text()[-3000:]
             time.sleep(0.2)
-        ingest = subprocess.run([sys.executable, "-m", "tokenloom.cli", "ingest", str(fresh), "--dataset", "docs",
-                                 "--tokenizer", text_bundle.id, "--json", "--set", "ingest.ray.progress_bars=false"],
-                                capture_output=True, text=True, timeout=600, env=env)
+        from cli_runner import run  # in this process: the session's Ray runtime is warm
+
+        ingest = run("ingest", str(fresh), "--dataset", "docs", "--tokenizer", text_bundle.id, "--json", "--set",
+                     "ingest.ray.progress_bars=false", home=home)
         assert ingest.returncode == 0, ingest.stderr[-3000:]
         snapshot = json.loads(ingest.stdout)["snapshot_id"]
         while True:  # until the segment is read to its end and a few steps after it
