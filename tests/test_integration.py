@@ -86,6 +86,14 @@ def test_catalog_reports_the_committed_snapshot(demo_home):
     assert shown["vocab_id"].startswith("vocab-")
     assert shown["bundle_ids"] == sorted([s["text_tokenizer"], s["visual_tokenizer"], s["audio_tokenizer"]])
     assert sum(f["record_count"] for f in shown["files"]) == s["samples"]
+    # per-pool figures of the job (Ray Data's operator stats + the sink's counts): every routed
+    # record came out of its pool once; a pool's tokens add up to at least the samples' (dedup drops some)
+    pools = shown["pools"]
+    assert set(pools) == {"text", "image", "audio"}
+    for figures in pools.values():
+        assert figures["records"] == figures["records_at_sink"] > 0 and figures["seconds"] > 0
+        assert figures["tokens"] > 0 and 0 < figures["busy_fraction"] <= 1
+    assert sum(p["tokens"] for p in pools.values()) >= s["tokens"]
     history = _local("catalog", "history", "stdlib-docs", "--json", home=home)
     assert [h["snapshot_id"] for h in history] == [s["snapshot_id"]]
     listed = _local("catalog", "ls", "--json", home=home)
@@ -332,6 +340,8 @@ def test_the_demo_report_opens_in_a_browser_with_every_plot_image_and_player(dem
     for mix in s["modalities"]:
         assert f"{mix}" in html
     assert html.count('class="sample"') >= 3 * 3
+    pools = html.split("<h3>Ingestion pools</h3>", 1)[1].split("</table>", 1)[0]
+    assert all(f"<td>{m}</td>" in pools for m in ("text", "image", "audio"))  # the job's pool figures
     # elastic sub-model evaluations saved with the run (`model eval --tiers`) appear as a table
     tiers = _local("model", "eval", s["run_dir"], "--dataset", "stdlib-docs", "--batches", "1", "--tiers", "--json",
                    home=home)

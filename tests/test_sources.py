@@ -1,4 +1,8 @@
+import json
 from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenloom.datasets import sources
 from tokenloom.samples.text import write_bad_inputs
@@ -104,3 +108,48 @@ def test_a_bad_first_record_does_not_turn_a_pairs_file_into_text(tmp_path):
     # the flower is one sample, with its caption; no caption became a text sample of its own
     samples = [r for recs in by_name.values() for r in recs if r.error is None]
     assert [(r.modality, r.payload) for r in samples] == [("image", "ok"), ("text", "A web page.")]
+
+
+# -- split reading: a big .jsonl as byte ranges gives the whole file's records, ids included -------
+
+def _whole_and_split(path, split_bytes: int):
+    from tokenloom.datasets import sources as src
+
+    whole = list(src.parse_file(str(path), "text", path.read_bytes()))
+    ranges = src.byte_ranges(path.stat().st_size, split_bytes)
+    counts = [src.count_newlines(str(path), a, b) for a, b in ranges]
+    before = src.range_plan(ranges, counts)
+    split = [r for (a, b), n in zip(ranges, before, strict=True) for r in src.parse_text_range(str(path), a, b, n)]
+    return whole, split
+
+
+@settings(max_examples=60, deadline=None)
+@given(lines=st.lists(st.one_of(
+    st.builds(lambda t: json.dumps({"text": t}, ensure_ascii=False), st.text(min_size=0, max_size=40)),
+    st.sampled_from(["", "   ", "{not json", '{"text": 3}', "[1, 2]", '{"text": "é😀 ünïcode"}']),
+), min_size=0, max_size=30), end=st.sampled_from(["", "\n", "\n\n"]), split_bytes=st.integers(1, 64))
+def test_any_split_of_a_jsonl_gives_the_whole_files_records(tmp_path_factory, lines, end, split_bytes):
+    """Every line is read by exactly one range (the one it begins in), with its line number as its
+    id, whatever the range size: one byte, mid-character, on a newline or past the end."""
+    path = tmp_path_factory.mktemp("split") / "corpus.jsonl"
+    path.write_bytes(("\n".join(lines) + end).encode())
+    whole, split = _whole_and_split(path, split_bytes)
+    assert split == whole
+
+
+def test_a_big_jsonl_is_split_only_when_it_is_text_above_the_size(tmp_path):
+    from tokenloom.datasets import sources as src
+
+    corpus = tmp_path / "big.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(2000)))
+    size = corpus.stat().st_size
+    assert src.can_split(str(corpus), size, 4096) and not src.can_split(str(corpus), size, size)
+    assert not src.can_split(str(corpus), size, 0)  # 0: never
+    binary = tmp_path / "png.jsonl"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n" + b"x" * 10000)
+    assert not src.can_split(str(binary), binary.stat().st_size, 4096)  # one quarantine record, as a whole file
+    doc = tmp_path / "book.txt"
+    doc.write_text("word " * 5000)
+    assert not src.can_split(str(doc), doc.stat().st_size, 4096)  # a .txt is one document
+    whole, split = _whole_and_split(corpus, 4096)
+    assert split == whole and len(whole) == 2000 and whole[-1].record == "line 2000"

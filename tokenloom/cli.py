@@ -422,6 +422,8 @@ def ingest(
                       + (f"; {r.deleted_samples} old samples deleted" if r.deleted_samples else ""))
     for path, why in r.skipped_files:
         console.print(f"  skipped {path}: {why}")
+    for line in pool_lines(r.pools):
+        console.print("  " + line)
 
 
 @catalog_app.command("ls")
@@ -437,6 +439,18 @@ def catalog_ls(home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOp
         t.add_row(r["dataset"], str(r["snapshot_id"]), f"{r['samples']:,}", f"{r['tokens']:,}",
                   str(r["total_quarantined"]), str(r["snapshots"]))
     console.print(t)
+
+
+def pool_lines(pools: dict[str, dict]) -> list[str]:
+    """One line per tokenizer pool of a job: what it ran as, records and tokens, rates and busy share."""
+    def rate(x):
+        return f"{x:,.0f}/s" if x is not None else "-"
+
+    return [f"{m} pool ({p['mode']}, {p['min_actors']}-{p['max_actors']} actors): {p['records']:,} records, "
+            f"{p['tokens']:,} tokens in {p['seconds']:.1f} s ({rate(p['records_per_second'])} records, "
+            f"{rate(p['tokens_per_second'])} tokens), busy {p['busy_fraction'] or 0:.0%}, "
+            f"on {len(p.get('nodes') or {})} node(s)"
+            for m, p in sorted(pools.items())]
 
 
 @catalog_app.command("show")
@@ -460,6 +474,8 @@ def catalog_show(name: str, at: Annotated[str | None, typer.Option("--at", help=
                                              for v in s["vocab_history"]))
     if s.get("timestamp_ms"):
         t.add_row("committed", _when(s["timestamp_ms"]))
+    for line in pool_lines(s.get("pools") or {}):
+        t.add_row("pool", line)
     console.print(t)
 
 
@@ -707,7 +723,8 @@ def _train_and_report(home_, cfg, dataset: str | None, at: str | None, steps: in
     if json_out:
         return _emit_json(doc)
     console.print(f"trained {r.steps} steps on {dataset}@{snapshot_id}: loss {r.first_loss:.3f} -> {r.last_loss:.3f}, "
-                  f"{r.tokens_per_second:,.0f} tokens/s; outputs in {r.run_dir}")
+                  f"{r.tokens_per_second:,.0f} tokens/s ({r.data_share:.1%} of it reading and packing rows); "
+                  f"outputs in {r.run_dir}")
     if r.checkpoint:
         console.print(f"checkpoint: {r.checkpoint}")
     per = ", ".join(f"{k.removeprefix('loss_')} {v:.3f}" for k, v in r.modality_loss.items() if v is not None)

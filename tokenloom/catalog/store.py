@@ -375,6 +375,7 @@ class TokenCatalog:
             "duplicate_counts": json.loads(tl.get("duplicate_counts", "{}")),
             "total_duplicates": sum(int(s.tokenloom.get("duplicates", 0)) for s in chain),
             "deleted_samples": int(tl.get("removed_samples", 0)),
+            "pools": json.loads(tl.get("pools", "{}")),  # the job's per-pool figures
             "quarantine_files": json.loads(tl.get("quarantine_files", "[]")),
             "data_files": int(snap.properties.get("total-data-files", 0)),
             "vocab_id": tl.get("vocab_id"),

@@ -262,8 +262,10 @@ def parse_text_file(path: str, data: bytes) -> Iterator[Record]:
     yield Record(sample_id(path, "file"), path, "file", "text", text if problem is None else None, problem)
 
 
-def _parse_jsonl(path: str, data: bytes) -> Iterator[Record]:
-    for number, raw_line in enumerate(data.split(b"\n"), start=1):
+def _parse_jsonl(path: str, data: bytes, first_line: int = 1) -> Iterator[Record]:
+    """A .jsonl text corpus, or the lines of one byte range of it (`read_range`), numbered from
+    `first_line`: a line's record id is its line number in the whole file, however it was split."""
+    for number, raw_line in enumerate(data.split(b"\n"), start=first_line):
         if not raw_line.strip():
             continue  # blank lines separate nothing; they are not documents
         where = f"line {number}"
@@ -372,6 +374,81 @@ def parse_audio_file(path: str, data: bytes) -> Iterator[Record]:
                      f"{problem.replace('caption', 'transcript')}: {sidecar.name}")
         return
     yield Record(sample_id(path, "file"), path, "file", "audio", transcript, None, media=path)
+
+
+# -- split reading: one big JSON-lines corpus as byte ranges aligned to its lines ------------------
+#
+# A range [start, stop) owns the lines that *begin* inside it: its reader skips the tail of a line
+# begun before `start` (the previous range's) and reads past `stop` to the end of its last line.
+# So every line belongs to exactly one range, whatever the range size. Line numbers (the record
+# ids) need the newlines before the range: `count_newlines` counts each range (in parallel, in
+# the job), and `range_plan` turns the counts into each range's first line number.
+
+
+def can_split(path: str, size: int, split_bytes: int) -> bool:
+    """Whether a text-pool file is read as ranges: a .jsonl corpus above `split_bytes` (0: never)
+    whose head is text. A `.txt` file is one document, so it is never split; a binary file is one
+    quarantine record, read as a whole file as before."""
+    if not split_bytes or size <= split_bytes or not path.lower().endswith(".jsonl"):
+        return False
+    with open(path, "rb") as f:
+        return _sniff_binary(f.read(8192)) is None
+
+
+def byte_ranges(size: int, split_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of at most `split_bytes` covering a file of `size` bytes."""
+    return [(start, min(start + split_bytes, size)) for start in range(0, size, split_bytes)]
+
+
+def count_newlines(path: str, start: int, stop: int, chunk: int = 16 << 20) -> int:
+    """Newlines among bytes [start, stop) of `path`, read `chunk` bytes at a time."""
+    count = 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = stop - start
+        while left > 0:
+            data = f.read(min(chunk, left))
+            if not data:
+                break
+            count += data.count(b"\n")
+            left -= len(data)
+    return count
+
+
+def range_plan(ranges: list[tuple[int, int]], newlines: list[int]) -> list[int]:
+    """Per range, the newlines before it (prefix sums of each range's count)."""
+    before, out = 0, []
+    for count in newlines:
+        out.append(before)
+        before += count
+    if len(out) != len(ranges):
+        raise ValueError(f"{len(newlines)} newline counts for {len(ranges)} ranges")
+    return out
+
+
+def read_range(path: str, start: int, stop: int, newlines_before: int) -> tuple[bytes, int]:
+    """The lines that begin in [start, stop), whole, and the line number of the first of them."""
+    with open(path, "rb") as f:
+        first_line = newlines_before + 1
+        if start > 0:
+            f.seek(start - 1)
+            if f.read(1) != b"\n":  # mid-line: that line is the previous range's
+                tail = f.readline()
+                first_line += tail.endswith(b"\n")
+        first = f.tell()
+        if first >= stop:
+            return b"", first_line  # no line begins in this range
+        data = f.read(stop - first)
+        if data and not data.endswith(b"\n"):
+            data += f.readline()
+    return data, first_line
+
+
+def parse_text_range(path: str, start: int, stop: int, newlines_before: int) -> Iterator[Record]:
+    """The records of one range of a .jsonl corpus: the same records, with the same ids, as the
+    whole file's parse gives for those lines."""
+    data, first_line = read_range(path, start, stop, newlines_before)
+    yield from _parse_jsonl(path, data, first_line)
 
 
 PARSERS = {"text": parse_text_file, "image": parse_image_file, "audio": parse_audio_file}

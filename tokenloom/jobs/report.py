@@ -199,7 +199,8 @@ def report(home: Home, cfg, dataset: str, out: Path, at: str | None = None, runs
         "figures": [figures.token_mix(stats), figures.length_histogram(stats["length_hist"], hist_edges())]
         + [figures.reasons(r["counts"], r["title"], f"reasons-{i}") for i, r in enumerate(reasons) if r["counts"]],
         "history": _history(catalog, dataset, chain), "reasons": reasons,
-        "pools": json.loads(snap.tokenloom.get("pools", "[]")),
+        # the job's per-pool figures (platform/pools.pool_figures), one table row per pool
+        "pools": [{"pool": m, **f} for m, f in sorted(json.loads(snap.tokenloom.get("pools", "{}")).items())],
     }
     views = _samples(home, catalog, dataset, summary["snapshot_id"], samples, seed)
     doc = {"dataset": dataset_doc, "samples": views, "runs": _runs(home, runs or []),

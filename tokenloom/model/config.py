@@ -52,7 +52,7 @@ class ElasticConfig:
     fraction in [depth_min, depth_max] (else all layers); with `width_prob` routing restricted to a
     random fraction in [width_min, width_max] of the experts (else all); with `sparsity_prob` a
     top-k drawn from [1, top_k - 1] (else top_k). The draw is seeded by (seed, step), so every rank
-    of a run picks the same sub-model.
+    of a run picks the same sub-model. With `sandwich` such a step also trains the full model.
     """
 
     enabled: bool = False
@@ -64,6 +64,10 @@ class ElasticConfig:
     width_max: float = 0.5
     sparsity_prob: float = 0.2
     seed: int = 0
+    # the sandwich rule (slimmable networks, BigNAS): a step that draws a sub-model trains the full
+    # model on the same rows too (the two losses summed, one backward), so the full model gets every
+    # step's update; a sub-model step then costs the full model's forward and backward on top
+    sandwich: bool = True
 
     def validate(self) -> None:
         for name in ("depth_prob", "width_prob", "sparsity_prob", "depth_min", "depth_max", "width_min", "width_max"):

@@ -34,6 +34,11 @@ class SubModel:
     experts: tuple[int, ...] | None = None
     top_k: int | None = None
 
+    @property
+    def full(self) -> bool:
+        """No restriction: the full model."""
+        return self.layers is None and self.experts is None and self.top_k is None
+
     def describe(self) -> dict:
         return {"layers": list(self.layers) if self.layers is not None else None,
                 "experts": len(self.experts) if self.experts is not None else None, "top_k": self.top_k}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenloom.datasets.filters import FilterConfig
+from tokenloom.platform.guard import FaultConfig
 
 
 @dataclass
@@ -25,14 +26,17 @@ class PoolConfig:
     # a job with less input than this runs the pool as Ray tasks on reusable worker processes
     # instead of starting actors (platform/pools.py); 0: always actors
     task_below_bytes: int = 4 << 20
+    # how often a worker process that died (killed, out of memory, a poisoned record) is replaced
+    # and its batch retried; each poisoned record of a batch costs one (platform/guard.py)
+    max_restarts: int = 16
 
     def validate(self, modality: str) -> None:
         if not 1 <= self.min_actors <= self.max_actors:
             raise ValueError(
                 f"pool {modality!r}: need 1 <= min_actors <= max_actors, got {self.min_actors}..{self.max_actors}"
             )
-        if self.batch_size < 1 or self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError(f"pool {modality!r}: batch_size must be >= 1 and resources >= 0")
+        if self.batch_size < 1 or self.num_cpus < 0 or self.num_gpus < 0 or self.max_restarts < 0:
+            raise ValueError(f"pool {modality!r}: batch_size must be >= 1 and resources and max_restarts >= 0")
 
 
 @dataclass
@@ -84,6 +88,9 @@ class IngestConfig:
         "audio": PoolConfig(resource_label="audio_pool", min_actors=1, max_actors=2, batch_size=4),
     })
     read_tasks: int = 0  # 0 = let Ray Data choose
+    # a JSON-lines text corpus larger than this is read as byte ranges of this size aligned to its
+    # lines, one read task each (datasets/sources.py), so one big file feeds every actor; 0: never
+    split_bytes: int = 64 << 20
     # rows a write task buffers into one data file (per modality mix): fewer, larger Parquet files
     # are cheaper to plan and read, and a small job does not start a write task per pool batch
     rows_per_file: int = 8192
@@ -94,8 +101,11 @@ class IngestConfig:
     text_first: float = 0.5
     filters: FilterConfig = field(default_factory=FilterConfig)  # quality filters (datasets/filters.py)
     dedup: DedupConfig = field(default_factory=DedupConfig)  # platform/dedup.py
+    faults: FaultConfig = field(default_factory=FaultConfig)  # injected faults for drills (platform/guard.py)
 
     def validate(self) -> None:
+        if self.split_bytes < 0:
+            raise ValueError(f"ingest.split_bytes must be >= 0 (0: never split), got {self.split_bytes}")
         if not 0.0 <= self.text_first <= 1.0:
             raise ValueError(f"ingest.text_first must be in [0, 1], got {self.text_first}")
         self.filters.validate()

@@ -14,6 +14,9 @@ import json
 import logging
 import math
 import os
+import re
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,7 +32,7 @@ from tokenloom.datasets import sources
 from tokenloom.platform.config import IngestConfig
 from tokenloom.platform.dedup import deduplicate, existing_keys
 from tokenloom.platform.incremental import classify, plan
-from tokenloom.platform.pools import pool_stage
+from tokenloom.platform.pools import pool_figures, pool_mode, pool_stage
 from tokenloom.platform.sink import ShardSink, TaskOutput
 from tokenloom.platform.workers import WORKERS
 from tokenloom.tokenizers.vocab import VocabManifest
@@ -57,6 +60,8 @@ class IngestResult:
     filter_counts: dict[str, int] = field(default_factory=dict)  # filter name -> records
     duplicates: int = 0  # samples dropped as duplicates (of this job's or the dataset's)
     duplicate_counts: dict[str, int] = field(default_factory=dict)  # kind -> samples
+    # per tokenizer pool: mode, records, tokens, seconds, busy fraction (platform/pools.pool_figures)
+    pools: dict[str, dict] = field(default_factory=dict)
 
 
 def job_id_for(dataset: str, manifest_hash: str, bundles: dict[str, str], text_first: float = 0.0) -> str:
@@ -120,23 +125,61 @@ def _parse_batch(batch: dict) -> pa.Table:
     return pa.table(rows, schema=RECORD_SCHEMA)
 
 
+def _parse_range_batch(batch: dict) -> pa.Table:
+    rows = {name: [] for name in RECORD_SCHEMA.names}
+    for path, start, stop, before in zip(batch["path"], batch["start"], batch["stop"], batch["newlines_before"],
+                                         strict=True):
+        for rec in sources.parse_text_range(str(path), int(start), int(stop), int(before)):
+            for name in rows:
+                rows[name].append(getattr(rec, name))
+    return pa.table(rows, schema=RECORD_SCHEMA)
+
+
+def _count_range(row: dict) -> dict:
+    return {**row, "newlines": sources.count_newlines(row["path"], int(row["start"]), int(row["stop"]))}
+
+
+def _split_ranges(paths: list[sources.SourceFile], split_bytes: int) -> ray.data.Dataset:
+    """Big JSON-lines corpora as byte ranges (`sources.read_range`), one read task per range, so a
+    single file feeds every actor of the pool; the ranges' newlines are counted first (one task
+    each) so that every record keeps its line number as its id."""
+    ranges = [{"path": f.path, "start": a, "stop": b} for f in paths for a, b in sources.byte_ranges(f.size, split_bytes)]
+    counted = ray.data.from_items(ranges, override_num_blocks=len(ranges)).map(_count_range).take_all()
+    counted.sort(key=lambda r: (r["path"], r["start"]))
+    items = []
+    for path in sorted({r["path"] for r in counted}):
+        mine = [r for r in counted if r["path"] == path]
+        before = sources.range_plan([(r["start"], r["stop"]) for r in mine], [r["newlines"] for r in mine])
+        items += [{"path": path, "start": r["start"], "stop": r["stop"], "newlines_before": b}
+                  for r, b in zip(mine, before, strict=True)]
+    log.info("split reading: %d file(s) as %d byte ranges of <= %d bytes", len(paths), len(items), split_bytes)
+    return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(_parse_range_batch, batch_size=1,
+                                                                                  batch_format="numpy")
+
+
 def _read_branch(files: list[sources.SourceFile], config: IngestConfig) -> ray.data.Dataset:
     modality = files[0].modality
     kwargs = {"override_num_blocks": config.read_tasks} if config.read_tasks else {}
+    split = [f for f in files if modality == "text" and sources.can_split(f.path, f.size, config.split_bytes)]
+    split_set = {f.path for f in split}
+    files = [f for f in files if f.path not in split_set]
     # audio files are read by their pool, in blocks: only their paths travel (pairs files are read)
     whole = [f.path for f in files if sources.READS_BYTES[modality] or f.path.lower().endswith(".jsonl")]
     whole_set = set(whole)
     by_path = [f.path for f in files if f.path not in whole_set]
-    parts = []
+    inputs = []
     if whole:
         # read and parse fuse into one task (same resources), so each file is handled by one
         # worker process: on small machines process count, not compute, is the overhead to avoid
-        parts.append(ray.data.read_binary_files(whole, include_paths=True, **kwargs))
+        inputs.append(ray.data.read_binary_files(whole, include_paths=True, **kwargs))
     if by_path:
-        parts.append(ray.data.from_items([{"path": p, "bytes": b""} for p in by_path]))
-    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-    return ds.map_batches(lambda b: _parse_batch(b | {"modality": [modality] * len(b["path"])}),
-                          batch_format="numpy")
+        inputs.append(ray.data.from_items([{"path": p, "bytes": b""} for p in by_path]))
+    parts = [_split_ranges(split, config.split_bytes)] if split else []
+    if inputs:
+        ds = inputs[0].union(*inputs[1:]) if len(inputs) > 1 else inputs[0]
+        parts.append(ds.map_batches(lambda b: _parse_batch(b | {"modality": [modality] * len(b["path"])}),
+                                    batch_format="numpy"))
+    return parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
 
 
 def run_ingest(
@@ -200,7 +243,8 @@ def run_ingest(
                             json.loads(tl.get("quarantine_reasons", "{}")), skipped, time.perf_counter() - started,
                             input_bytes, changes.counts(), int(tl.get("removed_samples", 0)),
                             int(tl.get("filtered", 0)), json.loads(tl.get("filter_counts", "{}")),
-                            int(tl.get("duplicates", 0)), json.loads(tl.get("duplicate_counts", "{}")))
+                            int(tl.get("duplicates", 0)), json.loads(tl.get("duplicate_counts", "{}")),
+                            json.loads(tl.get("pools", "{}")))
 
     location = catalog.data_location(dataset, job_id)
     out = _tokenize(by_modality, config, bundle_paths, vocab, location, job_id, bundles) if by_modality else None
@@ -237,6 +281,7 @@ def run_ingest(
             "filtered": str(out.filtered),
             "filter_counts": dict(sorted(out.filter_counts.items())),
             "filtered_files": out.filtered_files,
+            "pools": out.pools,
             **deduped.properties(),
             **(lineage or {}),
         },
@@ -246,7 +291,7 @@ def run_ingest(
     return IngestResult(dataset, job_id, snap.snapshot_id, False, out.samples, out.tokens, out.quarantined,
                         dict(out.reasons), skipped, time.perf_counter() - started, input_bytes, changes.counts(),
                         int(snap.tokenloom.get("removed_samples", 0)), out.filtered, dict(sorted(out.filter_counts.items())),
-                        deduped.duplicates, deduped.counts)
+                        deduped.duplicates, deduped.counts, out.pools)
 
 
 def _tokenize(by_modality: dict[str, list[sources.SourceFile]], config: IngestConfig, bundle_paths: dict[str, str],
@@ -256,7 +301,22 @@ def _tokenize(by_modality: dict[str, list[sources.SourceFile]], config: IngestCo
     write tasks wrote."""
     ensure_ray(config)
     have_gpus = ray.cluster_resources().get("GPU", 0) > 0
-    branches = []
+    # the run's in-flight journal (platform/guard.py): new per run, so a rerun never inherits a crash
+    journal = Path(tempfile.mkdtemp(prefix=f"tokenloom-inflight-{job_id}-"))
+    guard = {"journal": str(journal), "faults": asdict(config.faults)}
+    try:
+        out = _run_pools(by_modality, config, bundle_paths, vocab, location, job_id, bundles, have_gpus, guard)
+        for marker in journal.glob("killed-*"):  # injected faults that fired (ingest.faults)
+            out.pools[marker.name.removeprefix("killed-")]["injected_kills"] = 1
+        return out
+    finally:
+        shutil.rmtree(journal, ignore_errors=True)
+
+
+def _run_pools(by_modality: dict[str, list[sources.SourceFile]], config: IngestConfig, bundle_paths: dict[str, str],
+               vocab: VocabManifest, location: str, job_id: str, bundles: dict[str, str], have_gpus: bool,
+               guard: dict) -> TaskOutput:
+    branches, modes = [], {}
     for modality, group in sorted(by_modality.items()):
         pool = config.pool(modality)
         # blocks of one pool batch each: a file can hold thousands of records, and a whole-file
@@ -265,11 +325,24 @@ def _tokenize(by_modality: dict[str, list[sources.SourceFile]], config: IngestCo
         worker_kwargs = {"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
                          "vocab": vocab.to_dict(), "text_first": config.text_first,
                          "quality": asdict(config.filters), "dedup": asdict(config.dedup)}
-        branches.append(pool_stage(records, modality, pool, worker_kwargs, sum(f.size for f in group), have_gpus))
+        size = sum(f.size for f in group)
+        modes[modality] = pool_mode(pool, size)
+        branches.append(pool_stage(records, modality, pool, worker_kwargs, size, have_gpus, guard))
     ds = branches[0].union(*branches[1:]) if len(branches) > 1 else branches[0]
     sink = ShardSink(location, job_id, vocab.id, vocab.size, sorted(bundles.values()), config.rows_per_file or None)
-    ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.5})
-    return sink.result
+    try:
+        ds.write_datasink(sink, ray_remote_args={"num_cpus": 0.5})
+    except Exception as exc:  # a worker that cannot start fails every batch: say which pool and why
+        started = re.search(r"PoolStartError: (.+)", str(exc))
+        if started:
+            raise ValueError(f"{started.group(1).strip()}; nothing committed") from None
+        raise
+    out = sink.result
+    # what Ray Data measured of each pool's operator (the executed write plan's stats)
+    written = getattr(ds, "_write_ds", None)
+    out.pools = pool_figures(written.get_stats_summary() if written is not None else None, config.pools, modes,
+                             out.pool_records, out.pool_tokens, out.pool_nodes)
+    return out
 
 
 def shutdown_ray() -> None:

@@ -13,37 +13,107 @@ become are the same either way (tests hold the two paths to the same shards).
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import ray
 
 from tokenloom.platform.config import PoolConfig
+from tokenloom.platform.guard import BatchGuard
 from tokenloom.platform.workers import WORKERS
 
 _CACHED: dict[str, object] = {}  # per worker process: the key of the tokenizer built last -> worker
 
 
-def tokenize_batch(batch: pa.Table, modality: str, worker_kwargs: dict) -> pa.Table:
-    """One batch through `modality`'s pool worker, built once per process and configuration."""
+def tokenize_batch(batch: pa.Table, modality: str, worker_kwargs: dict, guard: dict | None = None) -> pa.Table:
+    """One batch through `modality`'s pool worker, built once per process and configuration (the
+    run's journal, `guard`, is not part of the key: it is set per call)."""
     key = modality + "\0" + json.dumps(worker_kwargs, sort_keys=True, default=str)
     worker = _CACHED.get(key)
     if worker is None:
         _CACHED.clear()  # one tokenizer per process: a worker serves many jobs, not many bundles
         worker = _CACHED[key] = WORKERS[modality](**worker_kwargs)
+    if guard is None:
+        worker.guard = None
+    elif worker.guard is None or worker.guard.dir != Path(guard["journal"]):
+        worker.guard = BatchGuard(**guard, pool=modality)
     return worker(batch)
 
 
+def _task_function(modality: str):
+    """`tokenize_batch` for one modality, under a name of its own (`TokenizeText`, ...): Ray Data
+    names an operator after its function, and the per-pool figures find each pool by that name."""
+    def fn(batch: pa.Table, worker_kwargs: dict, guard: dict | None = None) -> pa.Table:
+        return tokenize_batch(batch, modality, worker_kwargs, guard)
+
+    fn.__name__ = fn.__qualname__ = f"Tokenize{modality.title()}"
+    return fn
+
+
+def operator_names(modality: str) -> tuple[str, str]:
+    """The names Ray Data gives `modality`'s pool operator: as tasks, as an actor pool."""
+    return f"Tokenize{modality.title()}", WORKERS[modality].__name__
+
+
+def pool_figures(summary: Any, pools: dict[str, PoolConfig], modes: dict[str, str], records: dict[str, int],
+                 tokens: dict[str, int], nodes: dict[tuple[str, str], int] | None = None) -> dict[str, dict]:
+    """Per pool, what Ray Data measured of its operator (`Dataset.get_stats_summary()` of the job's
+    write): records out, the operator's wall time from its first task's start to its last one's end,
+    and the summed wall time of its tasks (busy seconds), beside the tokens the sink counted from
+    the pool's rows. `busy_fraction` is busy seconds over (wall time x the pool's max actors): how
+    much of the pool's capacity the job used while the pool ran. `nodes`: records per Ray node id,
+    where the pool's workers ran (placement by its resource label)."""
+    ops: list[Any] = []
+
+    def walk(s: Any) -> None:
+        for parent in getattr(s, "parents", None) or []:
+            walk(parent)
+        ops.extend(getattr(s, "operators_stats", None) or [])
+
+    if summary is not None:
+        walk(summary)
+    out: dict[str, dict] = {}
+    for modality, mode in sorted(modes.items()):
+        names = operator_names(modality)
+        mine = [o for o in ops if any(f"({n})" in o.operator_name for n in names)]
+        seconds = sum(o.time_total_s or 0.0 for o in mine)
+        busy = sum(o.wall_time.sum for o in mine if o.wall_time is not None)
+        rows = sum(int(o.output_num_rows.sum) for o in mine if o.output_num_rows is not None)
+        pool = pools[modality]
+        out[modality] = {
+            "mode": mode, "min_actors": pool.min_actors, "max_actors": pool.max_actors,
+            "records": rows, "tokens": int(tokens.get(modality, 0)), "seconds": round(seconds, 3),
+            "busy_seconds": round(busy, 3),
+            "records_per_second": round(rows / seconds, 1) if seconds else None,
+            "tokens_per_second": round(tokens.get(modality, 0) / seconds, 1) if seconds else None,
+            "busy_fraction": round(busy / (seconds * pool.max_actors), 3) if seconds else None,
+            "records_at_sink": int(records.get(modality, 0)),
+            "nodes": {node: n for (m, node), n in sorted((nodes or {}).items(), key=str) if m == modality},
+        }
+    return out
+
+
+def pool_mode(pool: PoolConfig, input_bytes: int) -> str:
+    return "tasks" if input_bytes < pool.task_below_bytes else "actors"
+
+
 def pool_stage(records: ray.data.Dataset, modality: str, pool: PoolConfig, worker_kwargs: dict,
-               input_bytes: int, have_gpus: bool) -> ray.data.Dataset:
-    """`records` tokenized on `modality`'s pool: an actor pool, or tasks for a small job."""
+               input_bytes: int, have_gpus: bool, guard: dict | None = None) -> ray.data.Dataset:
+    """`records` tokenized on `modality`'s pool: an actor pool, or tasks for a small job; `guard`:
+    the run's in-flight journal and injected faults (platform/guard.py)."""
     resources = {pool.resource_label: 1} if pool.resource_label else None
     # GPUs per actor where the cluster has them; elsewhere the pool runs on CPUs under its own label
     num_gpus = (pool.num_gpus if have_gpus else 0) or None
     common = {"batch_format": "pyarrow", "batch_size": pool.batch_size, "num_cpus": pool.num_cpus,
               "num_gpus": num_gpus, "resources": resources}
-    if input_bytes < pool.task_below_bytes:
-        return records.map_batches(tokenize_batch, fn_kwargs={"modality": modality, "worker_kwargs": worker_kwargs},
-                                   **common)
+    # a worker process that dies (killed, out of memory, a poisoned record) is replaced and its batch
+    # retried, a bounded number of times; Python exceptions are bugs, not retried (records that
+    # raise are quarantined by the workers themselves)
+    if pool_mode(pool, input_bytes) == "tasks":
+        return records.map_batches(_task_function(modality), fn_kwargs={"worker_kwargs": worker_kwargs, "guard": guard},
+                                   max_retries=pool.max_restarts, retry_exceptions=False, **common)
     return records.map_batches(
-        WORKERS[modality], fn_constructor_kwargs=worker_kwargs,
-        compute=ray.data.ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors), **common)
+        WORKERS[modality], fn_constructor_kwargs={**worker_kwargs, "guard": guard},
+        compute=ray.data.ActorPoolStrategy(min_size=pool.min_actors, max_size=pool.max_actors),
+        max_restarts=pool.max_restarts, max_task_retries=pool.max_restarts, **common)

@@ -53,6 +53,11 @@ class TaskOutput:
     filtered: int = 0
     filter_counts: Counter = field(default_factory=Counter)
     keys: pa.Table = field(default_factory=lambda: KEYS_SCHEMA.empty_table())  # one row per written sample
+    # per tokenizer pool: records that came out of it and the tokens it produced (before dedup)
+    pool_records: Counter = field(default_factory=Counter)
+    pool_tokens: Counter = field(default_factory=Counter)
+    pool_nodes: Counter = field(default_factory=Counter)  # (pool, Ray node id) -> records
+    pools: dict = field(default_factory=dict)  # per-pool figures of the job (platform/pools.pool_figures)
 
 
 
@@ -89,6 +94,14 @@ class ShardSink(Datasink):
                 block = pa.Table.from_pandas(block, preserve_index=False)
             if block.num_rows == 0:
                 continue
+            if "pool" in block.column_names:
+                lengths = pc.list_value_length(block.column("tokens"))
+                for pool in set(block.column("pool").to_pylist()):
+                    mine = pc.equal(block.column("pool"), pool)
+                    out.pool_records[pool] += int(pc.sum(pc.cast(mine, pa.int64())).as_py())
+                    out.pool_tokens[pool] += int(pc.sum(pc.filter(lengths, mine)).as_py() or 0)
+                    if "node" in block.column_names:
+                        out.pool_nodes.update((pool, node) for node in pc.filter(block.column("node"), mine).to_pylist())
             good, bad, good_keys, filtered = self._split(block)
             good_parts.append(good)
             bad_parts.append(bad)
@@ -210,6 +223,9 @@ class ShardSink(Datasink):
             total.filtered += part.filtered
             total.filter_counts.update(part.filter_counts)
             total.keys = pa.concat_tables([total.keys, part.keys])
+            total.pool_records.update(part.pool_records)
+            total.pool_tokens.update(part.pool_tokens)
+            total.pool_nodes.update(part.pool_nodes)
         total.data_files.sort()
         total.quarantine_files.sort()
         total.filtered_files.sort()

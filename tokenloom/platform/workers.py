@@ -11,6 +11,7 @@ which decides what is a duplicate once every key of the job is known.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -19,6 +20,7 @@ import pyarrow as pa
 from tokenloom.catalog.schema import SHARD_SCHEMA
 from tokenloom.datasets import dedup as keys
 from tokenloom.datasets import filters
+from tokenloom.platform.guard import BatchGuard
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
 from tokenloom.tokenizers.text import TextTokenizer
 from tokenloom.tokenizers.vocab import VocabManifest
@@ -37,8 +39,27 @@ OUT_SCHEMA = pa.schema(
         pa.field("filter_reason", pa.string()),
         pa.field("minhash", pa.list_(pa.uint32())),  # text records, when near-duplicate text is on
         pa.field("phash", pa.uint64()),  # image records, when near-duplicate images are on
+        pa.field("pool", pa.string()),  # the pool that tokenized the record (per-pool figures)
+        pa.field("node", pa.string()),  # the Ray node it ran on (placement by pool label)
     ]
 )
+
+
+class PoolStartError(RuntimeError):
+    """A pool worker could not be built (a damaged bundle, a manifest that does not fit it, ...)."""
+
+
+def _names_pool(init):
+    """Errors while a worker is built become one `PoolStartError` naming its pool and the cause."""
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except PoolStartError:
+            raise
+        except Exception as exc:
+            raise PoolStartError(f"the {self.pool} tokenizer pool could not start: {exc}") from exc
+    return wrapped
 
 
 class _Marks:
@@ -58,7 +79,14 @@ class _Marks:
                 pa.array(self.minhash, pa.list_(pa.uint32())), pa.array(self.phash, pa.uint64())]
 
 
-def _output(batch: pa.Table, token_lists: list, segments: list, errors: list | None = None,
+def _node_id() -> str | None:
+    """The Ray node this worker runs on (None outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def _output(pool: str, batch: pa.Table, token_lists: list, segments: list, errors: list | None = None,
             marks: _Marks | None = None) -> pa.Table:
     marks = marks or _Marks(batch.num_rows)
     return pa.Table.from_arrays(
@@ -70,6 +98,8 @@ def _output(batch: pa.Table, token_lists: list, segments: list, errors: list | N
             pa.array(segments, type=OUT_SCHEMA.field("segments").type),
             pa.array(errors, type=pa.string()) if errors is not None else batch.column("error"),
             *marks.columns(),
+            pa.array([pool] * batch.num_rows, pa.string()),
+            pa.array([_node_id()] * batch.num_rows, pa.string()),
         ],
         schema=OUT_SCHEMA,
     )
@@ -79,10 +109,14 @@ class TextPoolWorker:
     """BPE-encode `payload` texts into text samples (`tokenizers.sequence` lays them out)."""
 
     needs = ("text",)
+    pool = "text"
 
+    @_names_pool
     def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0,
-                 quality: dict | None = None, dedup: dict | None = None):
+                 quality: dict | None = None, dedup: dict | None = None, guard: dict | None = None):
         manifest = VocabManifest.from_dict(vocab)
+        # the in-flight journal and injected faults (platform/guard.py); None: batches run unguarded
+        self.guard = BatchGuard(**guard, pool=self.pool) if guard else None
         self.text_first = text_first
         self.quality = filters.from_dict(quality)  # asdict(FilterConfig); None = the defaults
         dedup = dedup or {}
@@ -101,6 +135,17 @@ class TextPoolWorker:
                 f"text bundle has {self.tokenizer.vocab_size} ids but the manifest's text range holds {manifest.text.size}"
             )
         self.layout = SampleLayout(manifest)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        """A batch of parsed records -> shard rows, through the journal when there is one."""
+        if self.guard is None:
+            return self.tokenize(batch)
+        return self.guard.run(batch, self.tokenize, self.quarantined)
+
+    def quarantined(self, batch: pa.Table, reason: str) -> pa.Table:
+        """The batch's records as quarantine rows with `reason`."""
+        n = batch.num_rows
+        return _output(self.pool, batch, [None] * n, [None] * n, [reason] * n)
 
     def _layout(self, sample_id: str, media: list, text: np.ndarray) -> list:
         """A media sample's parts: media then its text, or text first for a `text_first` share
@@ -125,7 +170,7 @@ class TextPoolWorker:
             for (i, _), signature in zip(kept, signatures, strict=True):
                 marks.minhash[i] = signature
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def tokenize(self, batch: pa.Table) -> pa.Table:
         errors = batch.column("error").to_pylist()
         payloads = batch.column("payload").to_pylist()
         good = [i for i, err in enumerate(errors) if err is None]
@@ -136,7 +181,7 @@ class TextPoolWorker:
         self._mark_text(marks, good, [payloads[i] for i in good], encoded)
         for i, ids in zip(good, encoded, strict=True):
             token_lists[i], segments[i] = self.layout.assemble([TextPart(np.asarray(ids))])
-        return _output(batch, token_lists, segments, marks=marks)
+        return _output(self.pool, batch, token_lists, segments, marks=marks)
 
 
 class ImagePoolWorker(TextPoolWorker):
@@ -151,14 +196,16 @@ class ImagePoolWorker(TextPoolWorker):
     """
 
     needs = ("text", "visual")
+    pool = "image"
 
+    @_names_pool
     def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0,
-                 quality: dict | None = None, dedup: dict | None = None):
+                 quality: dict | None = None, dedup: dict | None = None, guard: dict | None = None):
         import torch
 
         from tokenloom.tokenizers.visual import load_visual
 
-        super().__init__(bundle_paths, vocab, text_first, quality, dedup)
+        super().__init__(bundle_paths, vocab, text_first, quality, dedup, guard)
         manifest = VocabManifest.from_dict(vocab)
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,7 +233,7 @@ class ImagePoolWorker(TextPoolWorker):
                     codes[i] = out[j]
         return codes
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def tokenize(self, batch: pa.Table) -> pa.Table:
         from tokenloom.datasets.images import decode_image
 
         errors = batch.column("error").to_pylist()
@@ -221,7 +268,7 @@ class ImagePoolWorker(TextPoolWorker):
         for i, caption in zip(good, captions, strict=True):
             media = [ImagePart(codes[i])] if i in codes else []  # else a text-only record
             token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], media, caption))
-        return _output(batch, token_lists, segments, errors, marks)
+        return _output(self.pool, batch, token_lists, segments, errors, marks)
 
 
 class AudioPoolWorker(TextPoolWorker):
@@ -236,14 +283,16 @@ class AudioPoolWorker(TextPoolWorker):
     """
 
     needs = ("text", "audio")
+    pool = "audio"
 
+    @_names_pool
     def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0,
-                 quality: dict | None = None, dedup: dict | None = None):
+                 quality: dict | None = None, dedup: dict | None = None, guard: dict | None = None):
         import torch
 
         from tokenloom.tokenizers.audio import load_audio
 
-        super().__init__(bundle_paths, vocab, text_first, quality, dedup)
+        super().__init__(bundle_paths, vocab, text_first, quality, dedup, guard)
         manifest = VocabManifest.from_dict(vocab)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu":
@@ -271,7 +320,7 @@ class AudioPoolWorker(TextPoolWorker):
         codes = encode_long(self.model, measured(read_mono(path, cfg.chunk_seconds, cfg.sample_rate)))
         return codes, meter.measures(), hasher
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def tokenize(self, batch: pa.Table) -> pa.Table:
         from tokenloom.datasets.audio import AudioProblem
 
         errors = batch.column("error").to_pylist()
@@ -301,7 +350,7 @@ class AudioPoolWorker(TextPoolWorker):
         for i, text in zip(good, texts, strict=True):
             parts = [AudioPart(codes[i])] if i in codes else []  # else a text-only record
             token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], parts, text))
-        return _output(batch, token_lists, segments, errors, marks)
+        return _output(self.pool, batch, token_lists, segments, errors, marks)
 
 
 WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker, "audio": AudioPoolWorker}

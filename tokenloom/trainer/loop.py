@@ -73,6 +73,8 @@ class TrainResult:
     tokens_by_source: dict[str, int] = field(default_factory=dict)  # training targets per source, whole run
     segments: list[dict] = field(default_factory=list)  # follow mode: snapshots read as segments
     stage: int = 0  # the stage the run ended in (train.stages)
+    # the share of the training time spent reading and packing rows (the stream's cost to the step)
+    data_share: float = 0.0
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -220,7 +222,7 @@ def train(
     data = RunData(sources, stream_cfg, train_cfg, engine.module.cfg, rank, world, start_step, client, run_dir)
     losses: list[float] = []
     recent: list[StepStats] = []
-    tokens_seen, train_seconds = 0, 0.0
+    tokens_seen, train_seconds, data_seconds = 0, 0.0, 0.0
     bar = tqdm(total=train_cfg.steps, initial=start_step, desc="train", disable=not progress or rank != 0,
                dynamic_ncols=True)
     end_step = train_cfg.stop_after or train_cfg.steps
@@ -228,6 +230,7 @@ def train(
         raise ValueError(f"checkpoint is at step {start_step}; nothing to do before step {end_step}")
     late_loads = torch.zeros(model_cfg.n_layers, MODALITY_SLOTS, model_cfg.moe.n_experts)  # the last quarter of the run
     late_from = end_step - max(1, (end_step - start_step) // 4)
+    sandwich = model_cfg.elastic.enabled and model_cfg.elastic.sandwich
     window: list[StepStats] = []  # steps since the last log record
     window_grad_norms: list[float] = []
     window_fill: list[float] = []  # per micro-batch: the non-padding share of its rows
@@ -282,13 +285,19 @@ def train(
         stats = StepStats(model_cfg.n_layers, model_cfg.moe.n_experts, len(sources))
         step_loss = 0.0
         for _ in range(train_cfg.grad_accum):
+            t_data = time.perf_counter()
             raw = data.next_batch(step, stats.sources)
+            data_seconds += time.perf_counter() - t_data
             window_fill.append(float(raw.pop("fill_ratio").mean()))  # non-padding share of the rows
             batch = _to_tensors(raw, engine.device)
             indices = mask_indices(batch)  # the attention mask's intervals, once per micro-batch
             with autocast:
                 loss, parts = engine.module.loss(batch, sub, indices=indices)
-            engine.backward(loss)
+                objective = loss
+                if sandwich and not sub.full:  # the full model on the same rows; its loss and loads are logged
+                    loss, parts = engine.module.loss(batch, None, indices=indices)
+                    objective = objective + loss
+            engine.backward(objective)
             engine.step()
             stats.add(parts, engine.module.routing_loads())
             step_loss += loss.item() / train_cfg.grad_accum
@@ -298,7 +307,8 @@ def train(
         grad_norm = engine.get_global_grad_norm()  # of this step's update, before clipping
         if grad_norm is not None:
             window_grad_norms.append(float(grad_norm))
-        engine.module.update_router_bias(stats.loads, sub)  # same loads on every rank: same biases
+        # same loads on every rank: same biases (with the sandwich rule, the full model's loads)
+        engine.module.update_router_bias(stats.loads, None if sandwich else sub)
         if step >= late_from:
             late_loads += stats.loads
         train_seconds += time.perf_counter() - t0
@@ -320,7 +330,8 @@ def train(
                 record = {"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
                           "grad_norm": norms[-1] if norms else None, "grad_norm_max": max(norms, default=None),
                           "fill_ratio": float(np.mean(fills)), "skipped_samples": data.loader.skipped,
-                          "tokens_per_second": tokens_seen / max(train_seconds, 1e-9), **merged.modality_losses(),
+                          "tokens_per_second": tokens_seen / max(train_seconds, 1e-9),
+                          "data_share": data_seconds / max(train_seconds, 1e-9), **merged.modality_losses(),
                           **peak_memory(engine.device), "submodel": sub.describe(), "stage": data.stage,
                           "tokens_by_source": dict(data.tokens_by_source),
                           **({"unfrozen_groups": unfreezing.unfrozen()} if unfreezing is not None else {})}
@@ -369,6 +380,7 @@ def train(
         tokens_by_source=data.tokens_by_source,
         segments=data.segments,
         stage=data.stage,
+        data_share=data_seconds / max(train_seconds, 1e-9),
     )
 
 
