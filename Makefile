@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-cluster lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+
+# the tests that start Ray clusters, Serve services or kill workers (CI runs them after `test`)
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q -m cluster
 
 bench: $(STAMP)
 	$(PY) bench/bench_ingest.py

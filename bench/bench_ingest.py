@@ -6,7 +6,11 @@ job reads, parses, routes, tokenizes on the text actor pool, validates, writes P
 shards and commits an Iceberg snapshot. Ray is started before timing (a cluster is
 long-lived); its start-up is printed separately. Prints throughputs and their ratio.
 
-    .venv/bin/python bench/bench_ingest.py [--mb 60] [--repeats 2]
+With `--pools service` the job tokenizes through warm long-lived services (platform/services.py:
+the text deployment is started, with the job's bundle and manifest, before timing), so no actor
+starts per job.
+
+    .venv/bin/python bench/bench_ingest.py [--mb 60] [--repeats 2] [--pools job|service]
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=60)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--pools", choices=("job", "service"), default="job")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tl-bench-"))
     cache = Path(os.environ.get("TOKENLOOM_BENCH_CACHE", "/tmp/tokenloom-bench-corpus"))
@@ -58,9 +63,21 @@ def main() -> None:
     cfg.filters.enabled = cfg.dedup.enabled = False
     t0 = time.perf_counter()
     ensure_ray(cfg)
+    if args.pools == "service":  # warm services before timing, as `tokenloom pools up` leaves them
+        import ray
+        from ray import serve
+
+        from tokenloom.platform.ingest import pool_worker_kwargs
+        from tokenloom.platform.services import APP, application
+
+        cfg.pools_mode = "service"
+        defaults = {"text": pool_worker_kwargs("text", {"text": str(info.path)}, vocab, cfg)}
+        serve.start(http_options={"host": "127.0.0.1", "port": 0})
+        serve.run(application(defaults, {"text": "text_pool"}, cfg.service, ray.cluster_resources()["CPU"],
+                              {"text": (2, 2)}), name=APP, route_prefix="/", blocking=False)
     ray_start = time.perf_counter() - t0
     print(f"corpus {nbytes / 1e6:.1f} MB in {len(list(corpus.glob('*.jsonl')))} files; cores {os.cpu_count()}; "
-          f"ray start {ray_start:.1f} s")
+          f"ray start {ray_start:.1f} s; pools: {args.pools}")
     rows = []
     for rep in range(args.repeats):
         peer_s, peer_tokens = peer(corpus, tok)

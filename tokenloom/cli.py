@@ -36,6 +36,9 @@ app.add_typer(tokenizer_app, name="tokenizer")
 tokenizer_app.add_typer(tokenizer_train_app, name="train")
 tokenizer_app.add_typer(tokenizer_eval_app, name="eval")
 app.add_typer(catalog_app, name="catalog")
+pools_app = typer.Typer(help="Long-lived tokenizer services (Ray Serve): up, status, scale, down.",
+                        no_args_is_help=True)
+app.add_typer(pools_app, name="pools")
 app.add_typer(model_app, name="model")
 
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -395,6 +398,8 @@ def ingest(
     overrides: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value (repeatable).")] = None,
     sync: Annotated[bool, typer.Option("--sync", help="Also delete the samples of ingested files that are gone "
                                                       "from the input folders.")] = False,
+    pools: Annotated[str | None, typer.Option("--pools", help="job: this job's own pools (default); service: the "
+                                                              "services `tokenloom pools up` started.")] = None,
 ):
     """Tokenize inputs on the modality pools (Ray Data) and commit them as one snapshot: new files
     are tokenized, a changed file's samples are replaced in the same snapshot, unchanged files are
@@ -404,6 +409,9 @@ def ingest(
     home_, cfg = _setup(home, config, overrides, catalog_uri=catalog_uri)
     if ray_address:
         cfg.ingest.ray.address = ray_address
+    if pools:
+        cfg.ingest.pools_mode = pools
+        cfg.ingest.validate()
     cfg.ingest.ray.progress_bars = not json_out
     with _quiet_stdout(json_out):
         r = run_ingest(home_, paths, dataset, cfg, {"text": tokenizer, "visual": visual_tokenizer,
@@ -446,11 +454,77 @@ def pool_lines(pools: dict[str, dict]) -> list[str]:
     def rate(x):
         return f"{x:,.0f}/s" if x is not None else "-"
 
-    return [f"{m} pool ({p['mode']}, {p['min_actors']}-{p['max_actors']} actors): {p['records']:,} records, "
-            f"{p['tokens']:,} tokens in {p['seconds']:.1f} s ({rate(p['records_per_second'])} records, "
-            f"{rate(p['tokens_per_second'])} tokens), busy {p['busy_fraction'] or 0:.0%}, "
-            f"on {len(p.get('nodes') or {})} node(s)"
-            for m, p in sorted(pools.items())]
+    def how(p):
+        return "service" if p["mode"] == "service" else f"{p['mode']}, {p['min_actors']}-{p['max_actors']} actors"
+
+    def busy(p):
+        return f", busy {p['busy_fraction']:.0%}" if p.get("busy_fraction") is not None else ""
+
+    return [f"{m} pool ({how(p)}): {p['records']:,} records, {p['tokens']:,} tokens in {p['seconds']:.1f} s "
+            f"({rate(p['records_per_second'])} records, {rate(p['tokens_per_second'])} tokens){busy(p)}, "
+            f"on {len(p.get('nodes') or {})} node(s)" for m, p in sorted(pools.items())]
+
+
+def _print_services(doc: dict) -> None:
+    t = Table(title=f"tokenizer services at {doc['http']} ({doc['application']})")
+    for col in ("service", "status", "replicas", "bounds", "label"):
+        t.add_column(col)
+    for name, svc in doc["services"].items():
+        bounds = f"{svc['min_replicas']}-{svc['max_replicas']}" if "min_replicas" in svc else "-"
+        t.add_row(name, svc["status"], ", ".join(f"{k.lower()} {v}" for k, v in svc["replicas"].items()) or "0",
+                  bounds, svc.get("label") or "-")
+    console.print(t)
+
+
+@pools_app.command("up")
+@_user_errors
+def pools_up(dataset: Annotated[str | None, typer.Option("--dataset", help="Answer HTTP with this dataset's "
+                                                                            "vocabulary (default: a new one's).")] = None,
+             home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None,
+             overrides: Annotated[list[str] | None, typer.Option("--set", help="Config override key=value.")] = None):
+    """Deploy a tokenizer service per modality (the newest bundles) and the HTTP gateway on 127.0.0.1."""
+    from tokenloom.jobs import pools
+
+    home_, cfg = _setup(home, config, overrides)
+    doc = pools.up(home_, cfg, dataset)
+    return _emit_json(doc) if json_out else _print_services(doc)
+
+
+@pools_app.command("status")
+@_user_errors
+def pools_status(home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None):
+    """Each service's replicas by state and its replica bounds."""
+    from tokenloom.jobs import pools
+
+    home_, cfg = _setup(home, config)
+    doc = pools.status(home_, cfg)
+    return _emit_json(doc) if json_out else _print_services(doc)
+
+
+@pools_app.command("scale")
+@_user_errors
+def pools_scale(modality: Annotated[str, typer.Argument(help="text, image or audio.")],
+                min_replicas: Annotated[int, typer.Option("--min", help="Fewest replicas.")],
+                max_replicas: Annotated[int, typer.Option("--max", help="Most replicas.")],
+                home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None):
+    """New replica bounds for one service (the autoscaler moves between them)."""
+    from tokenloom.jobs import pools
+
+    home_, cfg = _setup(home, config)
+    doc = pools.scale(home_, cfg, modality, min_replicas, max_replicas)
+    return _emit_json(doc) if json_out else _print_services(doc)
+
+
+@pools_app.command("down")
+@_user_errors
+def pools_down(home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None):
+    """Delete the services (and stop the local Ray head `pools up` started)."""
+    from tokenloom.jobs import pools
+
+    home_, cfg = _setup(home, config)
+    doc = pools.down(home_, cfg)
+    return _emit_json(doc) if json_out else console.print("tokenizer services deleted"
+                                                          + (", local Ray stopped" if doc["stopped_ray"] else ""))
 
 
 @catalog_app.command("show")

@@ -30,6 +30,10 @@ def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg, bundle_r
     from tokenloom.platform.ingest import run_ingest  # Ray is imported only by jobs that use it
 
     refs = bundle_refs or {}
+    if cfg.ingest.pools_mode == "service" and not cfg.ingest.ray.address:
+        from tokenloom.jobs.pools import load_state
+
+        cfg.ingest.ray.address = load_state(home)["address"]  # the cluster `pools up` deployed to
     catalog = open_catalog(home, cfg)
     files, _ = sources.discover(inputs)
     # the bundles the inputs need, and any named explicitly: a first job pins ranges for all of them

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tokenloom.datasets.filters import FilterConfig
 from tokenloom.platform.guard import FaultConfig
+from tokenloom.platform.services import ServiceConfig
 
 
 @dataclass
@@ -102,8 +103,15 @@ class IngestConfig:
     filters: FilterConfig = field(default_factory=FilterConfig)  # quality filters (datasets/filters.py)
     dedup: DedupConfig = field(default_factory=DedupConfig)  # platform/dedup.py
     faults: FaultConfig = field(default_factory=FaultConfig)  # injected faults for drills (platform/guard.py)
+    service: ServiceConfig = field(default_factory=ServiceConfig)  # `tokenloom pools up` (platform/services.py)
+    # where a job tokenizes: "job" (its own Ray Data actor pools or tasks) or "service" (the
+    # long-lived services `tokenloom pools up` started, through Serve handles: no actor starts)
+    pools_mode: str = "job"
 
     def validate(self) -> None:
+        if self.pools_mode not in ("job", "service"):
+            raise ValueError(f"ingest.pools_mode must be job or service, got {self.pools_mode!r}")
+        self.service.validate()
         if self.split_bytes < 0:
             raise ValueError(f"ingest.split_bytes must be >= 0 (0: never split), got {self.split_bytes}")
         if not 0.0 <= self.text_first <= 1.0:

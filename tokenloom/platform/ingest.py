@@ -76,6 +76,20 @@ def job_id_for(dataset: str, manifest_hash: str, bundles: dict[str, str], text_f
     return "job-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def token_auth_for_clusters() -> None:
+    """Connect to an existing cluster with Ray's token authentication when this machine holds a token
+    (`~/.ray/auth_token`, which `ray start` writes): Ray 2.60 enables it for a local head by default,
+    but a client process only sends the token when `RAY_AUTH_MODE=token` is set."""
+    if "RAY_AUTH_MODE" in os.environ or not (Path.home() / ".ray" / "auth_token").is_file():
+        return
+    try:  # sets the variable and refreshes Ray's cached config (read when ray was imported)
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:  # another Ray version: the variable alone
+        os.environ["RAY_AUTH_MODE"] = "token"
+        return
+    _enable_token_auth()
+
+
 def ensure_ray(config: IngestConfig) -> None:
     """Connect to the configured cluster, or start a small local Ray with one label per pool."""
     if ray.is_initialized():
@@ -84,6 +98,7 @@ def ensure_ray(config: IngestConfig) -> None:
     ctx.enable_progress_bars = config.ray.progress_bars
     ctx.print_on_execution_start = config.ray.progress_bars
     if config.ray.address:
+        token_auth_for_clusters()
         ray.init(address=config.ray.address, log_to_driver=False)
         have = ray.cluster_resources()
         for modality, pool in config.pools.items():
@@ -322,12 +337,11 @@ def _run_pools(by_modality: dict[str, list[sources.SourceFile]], config: IngestC
         # blocks of one pool batch each: a file can hold thousands of records, and a whole-file
         # block would pin one actor while the others idle
         records = _read_branch(group, config).repartition(target_num_rows_per_block=pool.batch_size)
-        worker_kwargs = {"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
-                         "vocab": vocab.to_dict(), "text_first": config.text_first,
-                         "quality": asdict(config.filters), "dedup": asdict(config.dedup)}
+        worker_kwargs = pool_worker_kwargs(modality, bundle_paths, vocab, config)
         size = sum(f.size for f in group)
-        modes[modality] = pool_mode(pool, size)
-        branches.append(pool_stage(records, modality, pool, worker_kwargs, size, have_gpus, guard))
+        service = config.pools_mode == "service"
+        modes[modality] = pool_mode(pool, size, service)
+        branches.append(pool_stage(records, modality, pool, worker_kwargs, size, have_gpus, guard, service))
     ds = branches[0].union(*branches[1:]) if len(branches) > 1 else branches[0]
     sink = ShardSink(location, job_id, vocab.id, vocab.size, sorted(bundles.values()), config.rows_per_file or None)
     try:
@@ -343,6 +357,14 @@ def _run_pools(by_modality: dict[str, list[sources.SourceFile]], config: IngestC
     out.pools = pool_figures(written.get_stats_summary() if written is not None else None, config.pools, modes,
                              out.pool_records, out.pool_tokens, out.pool_nodes)
     return out
+
+
+def pool_worker_kwargs(modality: str, bundle_paths: dict[str, str], vocab: VocabManifest, config: IngestConfig) -> dict:
+    """What a `modality` pool worker is built from: the bundles it needs, the manifest, the layout,
+    filter and dedup settings (the same for a job's pool and a long-lived service)."""
+    return {"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
+            "vocab": vocab.to_dict(), "text_first": config.text_first,
+            "quality": asdict(config.filters), "dedup": asdict(config.dedup)}
 
 
 def shutdown_ray() -> None:

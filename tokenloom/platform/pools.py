@@ -26,14 +26,20 @@ from tokenloom.platform.workers import WORKERS
 _CACHED: dict[str, object] = {}  # per worker process: the key of the tokenizer built last -> worker
 
 
-def tokenize_batch(batch: pa.Table, modality: str, worker_kwargs: dict, guard: dict | None = None) -> pa.Table:
-    """One batch through `modality`'s pool worker, built once per process and configuration (the
-    run's journal, `guard`, is not part of the key: it is set per call)."""
+def worker_for(modality: str, worker_kwargs: dict):
+    """This process's `modality` pool worker for these arguments, built on first use and kept."""
     key = modality + "\0" + json.dumps(worker_kwargs, sort_keys=True, default=str)
     worker = _CACHED.get(key)
     if worker is None:
         _CACHED.clear()  # one tokenizer per process: a worker serves many jobs, not many bundles
         worker = _CACHED[key] = WORKERS[modality](**worker_kwargs)
+    return worker
+
+
+def tokenize_batch(batch: pa.Table, modality: str, worker_kwargs: dict, guard: dict | None = None) -> pa.Table:
+    """One batch through `modality`'s pool worker, built once per process and configuration (the
+    run's journal, `guard`, is not part of the key: it is set per call)."""
+    worker = worker_for(modality, worker_kwargs)
     if guard is None:
         worker.guard = None
     elif worker.guard is None or worker.guard.dir != Path(guard["journal"]):
@@ -51,9 +57,23 @@ def _task_function(modality: str):
     return fn
 
 
-def operator_names(modality: str) -> tuple[str, str]:
-    """The names Ray Data gives `modality`'s pool operator: as tasks, as an actor pool."""
-    return f"Tokenize{modality.title()}", WORKERS[modality].__name__
+def _service_function(modality: str):
+    """A batch through `modality`'s long-lived service (platform/services.py), by its Serve handle."""
+    def fn(batch: pa.Table, worker_kwargs: dict) -> pa.Table:
+        from ray import serve
+
+        from tokenloom.platform.services import APP
+
+        return serve.get_deployment_handle(modality, app_name=APP).tokenize.remote(batch, worker_kwargs).result()
+
+    fn.__name__ = fn.__qualname__ = f"Service{modality.title()}"
+    return fn
+
+
+def operator_names(modality: str) -> tuple[str, str, str]:
+    """The names Ray Data gives `modality`'s pool operator: as tasks, as an actor pool, as calls to
+    its service."""
+    return f"Tokenize{modality.title()}", WORKERS[modality].__name__, f"Service{modality.title()}"
 
 
 def pool_figures(summary: Any, pools: dict[str, PoolConfig], modes: dict[str, str], records: dict[str, int],
@@ -87,19 +107,22 @@ def pool_figures(summary: Any, pools: dict[str, PoolConfig], modes: dict[str, st
             "busy_seconds": round(busy, 3),
             "records_per_second": round(rows / seconds, 1) if seconds else None,
             "tokens_per_second": round(tokens.get(modality, 0) / seconds, 1) if seconds else None,
-            "busy_fraction": round(busy / (seconds * pool.max_actors), 3) if seconds else None,
+            # (a service's replicas are shared and measured by Serve, not by this job's operator)
+            "busy_fraction": round(busy / (seconds * pool.max_actors), 3) if seconds and mode != "service" else None,
             "records_at_sink": int(records.get(modality, 0)),
             "nodes": {node: n for (m, node), n in sorted((nodes or {}).items(), key=str) if m == modality},
         }
     return out
 
 
-def pool_mode(pool: PoolConfig, input_bytes: int) -> str:
+def pool_mode(pool: PoolConfig, input_bytes: int, service: bool = False) -> str:
+    if service:
+        return "service"
     return "tasks" if input_bytes < pool.task_below_bytes else "actors"
 
 
 def pool_stage(records: ray.data.Dataset, modality: str, pool: PoolConfig, worker_kwargs: dict,
-               input_bytes: int, have_gpus: bool, guard: dict | None = None) -> ray.data.Dataset:
+               input_bytes: int, have_gpus: bool, guard: dict | None = None, service: bool = False) -> ray.data.Dataset:
     """`records` tokenized on `modality`'s pool: an actor pool, or tasks for a small job; `guard`:
     the run's in-flight journal and injected faults (platform/guard.py)."""
     resources = {pool.resource_label: 1} if pool.resource_label else None
@@ -110,6 +133,10 @@ def pool_stage(records: ray.data.Dataset, modality: str, pool: PoolConfig, worke
     # a worker process that dies (killed, out of memory, a poisoned record) is replaced and its batch
     # retried, a bounded number of times; Python exceptions are bugs, not retried (records that
     # raise are quarantined by the workers themselves)
+    if service:  # the replicas do the work; the calling tasks only wait on them
+        return records.map_batches(_service_function(modality), fn_kwargs={"worker_kwargs": worker_kwargs},
+                                   batch_format="pyarrow", batch_size=pool.batch_size, num_cpus=0.25,
+                                   max_retries=pool.max_restarts)
     if pool_mode(pool, input_bytes) == "tasks":
         return records.map_batches(_task_function(modality), fn_kwargs={"worker_kwargs": worker_kwargs, "guard": guard},
                                    max_retries=pool.max_restarts, retry_exceptions=False, **common)

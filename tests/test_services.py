@@ -1,0 +1,155 @@
+"""Long-lived tokenizer services (Ray Serve, `tokenloom pools`): HTTP tokenize equals the ingestion
+job's tokens for the same file, bad requests get 413/400 and never reach a replica as a crash,
+`pools scale` changes the bounds `pools status` reports, and `ingest --pools service` commits
+exactly what a job's own pools commit. Runs on the test session's Ray runtime."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+
+import pytest
+import requests
+import soundfile as sf
+import torch
+
+pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory, text_bundle):
+    from tokenloom.jobs import pools
+    from tokenloom.jobs.config import RunConfig
+    from tokenloom.jobs.home import Home
+    from tokenloom.jobs.ingest import ingest
+    from tokenloom.samples.audio import write_sample_audio
+    from tokenloom.samples.images import write_sample_images
+    from tokenloom.tokenizers.audio import AudioTokenizer, AudioTokenizerConfig
+    from tokenloom.tokenizers.audio import publish_bundle as publish_audio
+    from tokenloom.tokenizers.visual import VisualTokenizer, VisualTokenizerConfig
+    from tokenloom.tokenizers.visual.train import publish_bundle as publish_visual
+
+    root = tmp_path_factory.mktemp("services")
+    home = Home(root / "home")
+    inputs = root / "inputs"
+    write_sample_images(inputs / "images", with_bad_inputs=False, variants=0)
+    write_sample_audio(inputs / "audio", with_bad_inputs=False, utterances=2)
+    (inputs / "notes.txt").write_text("A plain text document for the tokenizer services.\n")
+    cfg = RunConfig()
+    cfg.visual_tokenizer = VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1,
+                                                 vit_heads=2, fusion_heads=2, max_pixels=64 * 64)
+    cfg.audio_tokenizer = AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=2,
+                                               codebook_size=32, code_dim=4, chunk_seconds=2.0)
+    torch.manual_seed(0)
+    visual = VisualTokenizer(cfg.visual_tokenizer)
+    visual.init_codebook(torch.rand(4, 3, 32, 32))
+    publish_visual(visual.eval(), home.bundles)
+    audio = AudioTokenizer(cfg.audio_tokenizer)
+    audio.init_codebook(torch.randn(4, 1, 8000) * 0.1)
+    publish_audio(audio.eval(), home.bundles)
+    shutil.copytree(text_bundle.path, home.bundles / text_bundle.id)
+    cfg.ingest.ray.progress_bars = False
+    cfg.ingest.dedup.enabled = False
+    job = ingest(home, [inputs], "media", cfg)  # the job's own pools (the session's Ray)
+    cfg.ingest.service.port = _free_port()
+    cfg.ingest.service.max_request_bytes = {"text": 4096, "image": 1 << 20, "audio": 4 << 20}
+    status = pools.up(home, cfg, dataset="media")
+    try:
+        yield home, cfg, inputs, job, status
+    finally:
+        pools.down(home, cfg)
+
+
+def _job_rows(home, cfg, dataset: str) -> dict[str, dict]:
+    from tokenloom.jobs.home import open_catalog
+
+    rows = open_catalog(home, cfg).scan(dataset, columns=("sample_id", "source", "tokens", "segments")).to_pylist()
+    return {r["source"]: r for r in rows}
+
+
+def test_services_come_up_with_their_labels_and_bounds(services):
+    _, _, _, _, status = services
+    assert status["application"].endswith("RUNNING")
+    for name, label in (("text", "text_pool"), ("image", "image_pool"), ("audio", "audio_pool")):
+        svc = status["services"][name]
+        assert svc["label"] == label and svc["status"].endswith("HEALTHY")
+        assert svc["min_replicas"] == 1 and svc["max_replicas"] >= 1
+        assert sum(svc["replicas"].values()) >= 1
+
+
+def test_http_tokenize_equals_the_ingestion_jobs_tokens_for_the_same_file(services):
+    """A real HTTP client against the gateway; the record is named as the job named it (source, "file")."""
+    home, cfg, inputs, _, _ = services
+    url = f"http://127.0.0.1:{cfg.ingest.service.port}"
+    rows = _job_rows(home, cfg, "media")
+    text = inputs / "notes.txt"
+    got = requests.post(f"{url}/tokenize/text", json={"text": text.read_text()},
+                        params={"source": str(text), "record": "file"}, timeout=120).json()
+    assert got["ids"] == rows[str(text)]["tokens"] and got["sample_id"] == rows[str(text)]["sample_id"]
+    image = next(p for p in sorted((inputs / "images").iterdir()) if p.suffix == ".png" and p.with_suffix(".txt").exists())
+    got = requests.post(f"{url}/tokenize/image", data=image.read_bytes(), timeout=120,
+                        params={"source": str(image), "record": "file", "text": image.with_suffix(".txt").read_text()})
+    assert got.status_code == 200, got.text
+    assert got.json()["ids"] == rows[str(image)]["tokens"] and got.json()["segments"] == rows[str(image)]["segments"]
+    clip = next(p for p in sorted((inputs / "audio").iterdir()) if p.suffix == ".wav" and p.with_suffix(".txt").exists())
+    got = requests.post(f"{url}/tokenize/audio", data=clip.read_bytes(), timeout=120,
+                        params={"source": str(clip), "record": "file", "text": clip.with_suffix(".txt").read_text()})
+    assert got.status_code == 200, got.text
+    assert got.json()["ids"] == rows[str(clip)]["tokens"]
+    frames = sf.info(clip).frames * 50 // sf.info(clip).samplerate
+    assert abs(next(s for s in got.json()["segments"] if s["modality"] == "audio")["grid"][0] - frames) <= 2
+    # and back: the text answer detokenizes to the document
+    back = requests.post(f"{url}/detokenize/text", json={"ids": rows[str(text)]["tokens"],
+                                                          "segments": rows[str(text)]["segments"]}, timeout=120)
+    assert back.json()["text"] == [text.read_text()]
+
+
+def test_bad_requests_get_413_or_400_and_the_services_stay_up(services):
+    home, cfg, _, _, _ = services
+    url = f"http://127.0.0.1:{cfg.ingest.service.port}"
+    too_big = requests.post(f"{url}/tokenize/text", json={"text": "x" * 5000}, timeout=60)
+    assert too_big.status_code == 413 and "limit of 4096 bytes" in too_big.json()["error"]
+    assert requests.post(f"{url}/tokenize/text", data=b"{not json", timeout=60).status_code == 400
+    assert requests.post(f"{url}/tokenize/text", json={"txt": "wrong field"}, timeout=60).status_code == 400
+    broken = requests.post(f"{url}/tokenize/image", data=b"\x89PNG\r\n\x1a\n truncated", timeout=120)
+    assert broken.status_code == 400 and "image" in broken.json()["error"]
+    assert requests.post(f"{url}/tokenize/audio", data=b"RIFF....not a wav", timeout=120).status_code == 400
+    assert requests.post(f"{url}/tokenize/video", data=b"x", timeout=60).status_code == 404
+    assert requests.get(f"{url}/tokenize/text", timeout=60).status_code == 405
+    ok = requests.post(f"{url}/tokenize/text", json={"text": "still here"}, timeout=60)  # nothing crashed
+    assert ok.status_code == 200 and len(ok.json()["ids"]) > 2
+
+
+def test_scale_changes_the_bounds_status_reports(services):
+    from tokenloom.jobs import pools
+
+    home, cfg, _, _, _ = services
+    scaled = pools.scale(home, cfg, "text", 2, 3)
+    assert (scaled["services"]["text"]["min_replicas"], scaled["services"]["text"]["max_replicas"]) == (2, 3)
+    again = pools.status(home, cfg)
+    assert (again["services"]["text"]["min_replicas"], again["services"]["text"]["max_replicas"]) == (2, 3)
+    assert again["services"]["image"]["min_replicas"] == 1  # the others keep theirs
+    with pytest.raises(ValueError, match="--min"):
+        pools.scale(home, cfg, "text", 3, 2)
+
+
+def test_ingest_through_the_services_commits_what_the_jobs_own_pools_commit(services):
+    from tokenloom.jobs.ingest import ingest
+
+    home, cfg, inputs, job, _ = services
+    cfg.ingest.pools_mode = "service"
+    try:
+        result = ingest(home, [inputs], "media-via-service", cfg)
+    finally:
+        cfg.ingest.pools_mode = "job"
+    assert {m: p["mode"] for m, p in result.pools.items()} == {"text": "service", "image": "service",
+                                                               "audio": "service"}
+    assert (result.samples, result.tokens, result.quarantined) == (job.samples, job.tokens, job.quarantined)
+    mine, theirs = _job_rows(home, cfg, "media-via-service"), _job_rows(home, cfg, "media")
+    assert {s: r["tokens"] for s, r in mine.items()} == {s: r["tokens"] for s, r in theirs.items()}
