@@ -482,7 +482,9 @@ def test_a_text_only_dataset_and_a_run_without_routing_still_make_a_report(docs_
               home=docs_home).json()
     html = Path(doc["report"]).read_text()
     assert doc["samples"] == 2 and doc["runs"] == ["dense-run"]
-    assert "audio+text" not in html and "no per-pool figures" in html
+    assert "audio+text" not in html and "no per-pool figures" not in html
+    pools = html.split("<h3>Ingestion pools</h3>", 1)[1].split("</table>", 1)[0]
+    assert "<td>text</td>" in pools and "<td>image</td>" not in pools  # the job's one pool, with its figures
     seen = inspect_page(Path(doc["report"]), tmp_path / "report.png")
     assert seen["errors"] == [] and seen["audio"] == 0 and seen["rendered"] == seen["plots"] >= 4, seen
     bad = run("report", "docs", "--run", "nosuch", "--out", str(tmp_path / "r2"), home=docs_home)
