@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-cluster lint bench clean
+.PHONY: demo test test-long lint bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,9 +25,10 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
-# the tests that start Ray clusters, Serve services or kill workers (CI runs them after `test`)
-test-cluster: $(STAMP)
-	$(PY) -m pytest -q -m cluster
+# the long end-to-end tests: the README's step-by-step block, Ray clusters, Serve services,
+# killed workers (CI runs them after `test`)
+test-long: $(STAMP)
+	$(PY) -m pytest -q -m long
 
 bench: $(STAMP)
 	$(PY) bench/bench_ingest.py

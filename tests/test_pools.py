@@ -101,7 +101,7 @@ def _ingest(catalog, name, corpus, text_bundle, workers_bundle=None, **changes):
 
 
 @pytest.mark.integration
-@pytest.mark.cluster
+@pytest.mark.long
 def test_a_pool_actor_killed_mid_job_loses_and_duplicates_nothing(tmp_path, text_bundle):
     """SIGKILL of a text-pool actor after it tokenized its third batch (before returning it): Ray
     restarts it and retries the batch; the committed samples are exactly the fault-free job's."""
@@ -122,7 +122,7 @@ def test_a_pool_actor_killed_mid_job_loses_and_duplicates_nothing(tmp_path, text
 
 
 @pytest.mark.integration
-@pytest.mark.cluster
+@pytest.mark.long
 def test_records_that_kill_their_worker_are_quarantined_and_the_job_goes_on(tmp_path, text_bundle):
     """Two records whose tokenizing kills the worker process (an injected segfault): each is
     quarantined with the reason, every other record is committed once, on tasks and on actors."""
@@ -203,7 +203,7 @@ def test_the_journal_isolates_a_batch_that_killed_a_worker_and_quarantines_the_r
 
 
 @pytest.mark.integration
-@pytest.mark.cluster
+@pytest.mark.long
 def test_on_a_three_node_cluster_each_pool_runs_only_where_its_label_is(tmp_path, text_bundle):
     """`ray.cluster_utils.Cluster`: a head without pool labels, a node labelled for the text pool and
     one for the image pool. The same ingestion, pointed at the cluster (`ingest.ray.address`),

@@ -61,6 +61,7 @@ def test_every_option_in_the_command_reference_exists():
 
 
 @pytest.mark.integration
+@pytest.mark.long
 def test_the_step_by_step_block_and_the_python_example_run_as_written(tmp_path):
     home = tmp_path / "home"
     env = dict(os.environ, TOKENLOOM_HOME=str(home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")

@@ -13,7 +13,7 @@ import requests
 import soundfile as sf
 import torch
 
-pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 
 def _free_port() -> int:
