@@ -47,9 +47,6 @@ class FaultConfig:
     kill_after_batches: int = 0  # the first worker (per pool) to finish this many batches SIGKILLs itself
     crash_on: str = ""  # a worker SIGKILLs itself on a record whose text contains this string
 
-    def active(self) -> bool:
-        return bool(self.kill_after_batches or self.crash_on)
-
 
 def _write(path: Path, doc: dict) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -79,11 +79,18 @@ class _Marks:
                 pa.array(self.minhash, pa.list_(pa.uint32())), pa.array(self.phash, pa.uint64())]
 
 
-def _node_id() -> str | None:
-    """The Ray node this worker runs on (None outside Ray)."""
-    import ray
+_NODE: list[str] = []  # this process's Ray node id, once known (a process never moves)
 
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+def _node_id() -> str | None:
+    """The Ray node this worker process runs on (None outside Ray)."""
+    if not _NODE:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        _NODE.append(ray.get_runtime_context().get_node_id())
+    return _NODE[0]
 
 
 def _output(pool: str, batch: pa.Table, token_lists: list, segments: list, errors: list | None = None,
