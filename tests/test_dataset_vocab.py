@@ -74,7 +74,10 @@ def test_image_job_then_audio_job_share_no_id_and_train(tmp_path, text_bundle, m
     home = Home(tmp_path / "home")
     shutil.copytree(text_bundle.path, home.bundles / text_bundle.id)
     torch.manual_seed(0)
-    cfg = load_run_config("tiny", ["train.steps=2", "train.micro_batch_size=2", "stream.seq_len=96"])
+    # no held-out split: 8 samples with tiny's 25% held out by a hash of the (random) data file names
+    # would leave the 4 canonical readers too few training samples in some runs
+    cfg = load_run_config("tiny", ["train.steps=2", "train.micro_batch_size=2", "stream.seq_len=96",
+                                   "stream.holdout=0"])
     cfg.ingest.ray.progress_bars = False
     v = VisualTokenizer(VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1, vit_heads=2,
                                               fusion_heads=2, max_pixels=32 * 32, codebook_size=256))
