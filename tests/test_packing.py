@@ -15,10 +15,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from layout_reference import reference_assemble, reference_choose_row
 from multimodal_data import LAYOUT, MANIFEST, audio_sample, image_sample, text_sample, write_shard
 
 from tokenloom.contract import MODALITY_IDS, PAD_MODALITY
 from tokenloom.datasets import StreamConfig, TokenStream
+from tokenloom.datasets.packing import PackWindow, gather
 from tokenloom.datasets.stream import ROW_ID, EpochOrder, pack_row, sample_positions
 from tokenloom.model.unified import mask_indices
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
@@ -208,3 +210,51 @@ def test_long_sample_is_cut_only_in_text_and_oversized_media_is_skipped_and_coun
     assert [int((r["modality"] == IMAGE).sum()) for r in rows] == [0, 16, 0]
     assert all((r["modality"] != PAD_MODALITY).all() for r in rows)
     assert [int(r["coords"][0, 0]) for r in rows] == [0, 32, 32 + max(3 + 1, 4) + 16]  # coordinates carry on
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), seq_len=st.integers(4, 64), refill=st.integers(1, 40))
+def test_the_window_takes_the_rows_the_plain_scan_chooses(seed, seq_len, refill):
+    """`PackWindow` (sorted keys, bisection) against the plain scan over the pending pieces, with
+    closing pieces and a window refilled between rows as the stream refills it."""
+    rng = np.random.default_rng(seed)
+    window, pending, age = PackWindow(), [], 0
+    for _ in range(30):
+        while len(pending) < refill:
+            length, closes = int(rng.integers(1, seq_len + 1)), bool(rng.random() < 0.15)
+            pending.append((age, length, closes))
+            window.add(age, (None, 0, length), closes)
+            age += 1
+        want = [pending[k] for k in reference_choose_row([p[1] for p in pending], [p[2] for p in pending], seq_len)]
+        got = window.take_row(seq_len)
+        assert [p[2] for p in got] == [w[1] for w in want]
+        taken = {w[0] for w in want}
+        pending = [p for p in pending if p[0] not in taken]
+        assert window.names() == [p[0] for p in pending]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 6))
+def test_gather_builds_each_row_as_the_plain_assembly(seed, rows):
+    """A batch of rows gathered at once, pieces of several samples and cut samples, equals the
+    per-row assembly of the same pieces."""
+    rng = np.random.default_rng(seed)
+    samples = [sample_positions(*(image_sample(rng, int(rng.integers(1, 4)), int(rng.integers(1, 5)), 3),
+                                  audio_sample(rng, int(rng.integers(2, 9))), text_sample(rng, int(rng.integers(3, 30))))
+                                [int(rng.integers(3))], 2, 4) for _ in range(8)]
+    seq_len = 48
+    plan = []
+    for _ in range(rows):
+        row, room = [], seq_len
+        for s in rng.permutation(len(samples))[: int(rng.integers(1, 4))]:
+            a = int(rng.integers(0, len(samples[s])))
+            b = min(len(samples[s]), a + room)
+            if b > a and room:
+                row.append((samples[s], a, b))
+                room -= b - a
+        plan.append(row or [(samples[0], 0, min(len(samples[0]), seq_len))])
+    batch = gather(plan, seq_len, 2)
+    for r, row in enumerate(plan):
+        want = reference_assemble([(s, slice(a, b)) for s, a, b in row], seq_len, 2)
+        for key, value in want.items():
+            np.testing.assert_array_equal(batch[key][r], value, err_msg=key)

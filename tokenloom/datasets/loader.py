@@ -35,8 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from tokenloom.contract import ROW_KEYS
-from tokenloom.datasets.packing import fill_ratio
+from tokenloom.datasets.packing import Piece, fill_ratio, gather
 from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamExhausted, TokenStream
 
 __all__ = ["Loader", "LoaderState", "Segment", "Source", "draw_sources", "parse_mix"]
@@ -148,14 +147,15 @@ class _Reader:
             stream.load_state_dict(state)
         self.segments.append((segment, stream))
 
-    def next_row(self) -> tuple[str, int, dict[str, np.ndarray]]:
-        """The reader's next row, the source it came from and its segment's snapshot (-1: none)."""
+    def next_plan(self) -> tuple[str, int, list[Piece]]:
+        """The reader's next row (its pieces, `datasets/packing.py`), the source it came from and its
+        segment's snapshot (-1: none)."""
         g = self.index + self.readers * self.rows  # this row's global index
         for i, (segment, stream) in enumerate(self.segments):
             if stream is None or g < segment.from_row:
                 continue
             try:
-                row = stream.next_row()
+                row = stream.next_plan()
             except StreamExhausted:
                 self.segments[i] = (segment, None)
                 continue
@@ -164,7 +164,7 @@ class _Reader:
         k = 0 if len(self.streams) == 1 else int(draw_sources(self.weights, self.config.seed, self.stage, self.index,
                                                               np.array([self.rows]))[0])
         self.rows += 1
-        return self.names[k], -1, self.streams[k].next_row()
+        return self.names[k], -1, self.streams[k].next_plan()
 
     def state_dict(self) -> dict:
         return {"rows": self.rows, "sources": {n: s.state_dict() for n, s in zip(self.names, self.streams,
@@ -236,22 +236,23 @@ class Loader:
             for segment, seg_state in zip(self.segments, old.readers[c]["segments"], strict=True):
                 reader.add(segment, seg_state)
 
-    def next_rows(self, count: int) -> list[tuple[int, str, int, dict[str, np.ndarray]]]:
-        """This rank's share of the next `count` x world global rows: (global row, source, segment, row)."""
+    def next_rows(self, count: int) -> list[tuple[int, str, int, list[Piece]]]:
+        """This rank's share of the next `count` x world global rows: (global row, source, segment, the
+        row's pieces)."""
         out = []
         for j in range(count):
             g = self.rows + self.rank + self.world * j
             reader = self.own[g % self.readers]
             if reader.index + self.readers * reader.rows != g:
                 raise RuntimeError(f"reader {reader.index} is at row {reader.rows}, global row {g} expected")
-            out.append((g, *reader.next_row()))
+            out.append((g, *reader.next_plan()))
         self.rows += count * self.world
         return out
 
     def batches(self, batch_size: int) -> Iterator[dict]:
         while True:
             rows = self.next_rows(batch_size)
-            batch = {k: np.stack([r[k] for *_, r in rows]) for k in ROW_KEYS}
+            batch = gather([plan for *_, plan in rows], self.config.seq_len, max(1, self.config.group_size))
             batch["fill_ratio"] = fill_ratio(batch["modality"])
             batch["source"] = [s for _, s, _, _ in rows]
             batch["row"] = np.array([g for g, *_ in rows])

@@ -17,10 +17,16 @@ rather than raising: one oversized image must not stop a long run; the count mak
 
 A row. Its first piece is the oldest pending one (so every piece is packed within `pack_window`
 rows); then, while any pending piece fits the rest of the row, the largest one (the earliest
-among equals). FlashMask can express only two intervals per column, so a piece whose windowed
+among equals). `PackWindow` keeps the pending pieces in stream order and, beside them, sorted
+keys (length, then age) so that "the largest that fits" is one bisection, not a scan. FlashMask can express only two intervals per column, so a piece whose windowed
 audio is followed by more of its sample (`Positions.ends_row`) must be the last document of
 its row: a row takes at most one such piece and places it last. The rest of a row is padding:
 modality `PAD_MODALITY`, no targets, a causal segment of the row's last document.
+
+Building rows (`gather`). A row is a list of pieces (a source of positions, start, stop): the
+positions of a whole batch of rows are gathered from their sources with one index array per
+source and key, and the padding, documents and row-unique segment ids are set over the batch at
+once, so the cost is a few array passes per batch, not a loop over keys and pieces per row.
 
 Fill ratio: a row's non-padding positions over `seq_len`; a batch's is the mean over its rows
 (rows have equal lengths), which the stream yields as `fill_ratio` [B] beside the row keys.
@@ -28,35 +34,35 @@ Fill ratio: a row's non-padding positions over `seq_len`; a batch's is the mean 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from bisect import bisect_left, insort
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
 from tokenloom.contract import ATTENTION_IDS, IGNORE_INDEX, PAD_MODALITY, SPECIAL_TOKENS
 
-if TYPE_CHECKING:
-    from tokenloom.datasets.stream import Positions
-
 PAD_ID = SPECIAL_TOKENS.index("<pad>")  # the input id of padding positions (no target uses them)
 
-Piece = tuple["Positions", slice]  # a sample's positions and the slice of them that one row takes
+# a piece of a row: an object holding position arrays (`Layout`, `Positions`) and [start, stop) of them
+Piece = tuple[Any, int, int]
+_AGE_BITS = 40  # a window key is length << 40 | (2**40 - 1 - age): larger = longer, then older
 
 
-def split_points(sample: Positions, seq_len: int) -> list[int] | None:
-    """Where a sample is cut into pieces of at most `seq_len` positions: [0, c1, ..., len(sample)].
+def split_points(length: int, media: Sequence[tuple[int, int]], seq_len: int) -> list[int] | None:
+    """Where a sample of `length` positions with media segments `media` ([start, stop) each) is cut
+    into pieces of at most `seq_len` positions: [0, c1, ..., length].
 
     Cuts fall only outside media segments, each as late as the row allows; None when some media
     segment alone is longer than a row (no cut can keep it whole)."""
-    n = len(sample)
-    if n <= seq_len:
-        return [0, n]
-    allowed = np.ones(n + 1, dtype=bool)  # allowed[c]: a cut before position c splits no media
-    for start, stop in sample.media:
+    if length <= seq_len:
+        return [0, length]
+    allowed = np.ones(length + 1, dtype=bool)  # allowed[c]: a cut before position c splits no media
+    for start, stop in media:
         allowed[start + 1 : stop] = False
     cuts = np.flatnonzero(allowed)
     points = [0]
-    while points[-1] < n:
+    while points[-1] < length:
         limit = points[-1] + seq_len
         k = int(np.searchsorted(cuts, limit, side="right")) - 1  # the last allowed cut within the row
         if cuts[k] <= points[-1]:
@@ -65,76 +71,132 @@ def split_points(sample: Positions, seq_len: int) -> list[int] | None:
     return points
 
 
-def choose_row(lengths: Sequence[int], closes: Sequence[bool], seq_len: int) -> list[int]:
-    """Which pending pieces (indices, in stream order) make the next row, in row order.
+class PackWindow:
+    """The pieces pulled and not yet packed, in stream order, and the rule that packs the next row.
 
-    The oldest piece first, then best fit: the largest piece that still fits, the earliest among
-    equals; at most one closing piece, placed last. A pure function of its arguments."""
-    if not lengths:
-        raise ValueError("no pending pieces to pack")
-    lens = np.asarray(lengths, dtype=np.int64)
-    closing = np.asarray(closes, dtype=bool)
-    free = np.ones(len(lens), dtype=bool)
-    chosen, last = [0], None
-    free[0] = False
-    room = seq_len - int(lens[0])
-    if closing[0]:
-        chosen, last = [], 0
-    while room > 0:
-        fits = free & (lens <= room) & (~closing if last is not None else True)
-        if not fits.any():
-            break
-        k = int(np.argmax(np.where(fits, lens, -1)))  # argmax: the first of the largest
-        free[k] = False
-        room -= int(lens[k])
-        if closing[k]:
-            last = k
-        else:
-            chosen.append(k)
-    return chosen + ([last] if last is not None else [])
+    A row: the oldest piece first, then best fit — the largest piece that still fits, the oldest
+    among equals; at most one closing piece (`closes`), placed last. A pure function of the pieces
+    and their order."""
+
+    def __init__(self) -> None:
+        self._pieces: dict[int, tuple[Hashable, Piece, bool]] = {}  # age -> (name, piece, closes), stream order
+        self._keys: tuple[list[int], list[int]] = ([], [])  # sorted window keys: open pieces, closing pieces
+        self._age = 0
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def names(self) -> list[Hashable]:
+        """The pending pieces' names (`add`'s `name`), in stream order."""
+        return [name for name, _, _ in self._pieces.values()]
+
+    def add(self, name: Hashable, piece: Piece, closes: bool) -> None:
+        length = piece[2] - piece[1]
+        if length < 1:
+            raise ValueError(f"an empty piece {name!r} cannot be packed")
+        self._pieces[self._age] = (name, piece, closes)
+        insort(self._keys[closes], (length << _AGE_BITS) | ((1 << _AGE_BITS) - 1 - self._age))
+        self._age += 1
+
+    def _remove(self, age: int) -> tuple[Piece, bool]:
+        _, piece, closes = self._pieces.pop(age)
+        keys = self._keys[closes]
+        del keys[bisect_left(keys, ((piece[2] - piece[1]) << _AGE_BITS) | ((1 << _AGE_BITS) - 1 - age))]
+        return piece, closes
+
+    def _best(self, room: int, closing: bool) -> int | None:
+        keys = self._keys[closing]
+        k = bisect_left(keys, (room + 1) << _AGE_BITS) - 1  # the largest key of a piece <= room
+        return None if k < 0 else keys[k]
+
+    def take_row(self, seq_len: int) -> list[Piece]:
+        """The next row's pieces, in row order (removed from the window)."""
+        if not self._pieces:
+            raise ValueError("no pending pieces to pack")
+        first, closes = self._remove(next(iter(self._pieces)))
+        room = seq_len - (first[2] - first[1])
+        chosen, last = ([], first) if closes else ([first], None)
+        while room > 0:
+            key = self._best(room, False)
+            if last is None:
+                other = self._best(room, True)
+                if other is not None and (key is None or other > key):
+                    key = other
+            if key is None:
+                break
+            piece, closes = self._remove((1 << _AGE_BITS) - 1 - (key & ((1 << _AGE_BITS) - 1)))
+            room -= piece[2] - piece[1]
+            if closes:
+                last = piece
+            else:
+                chosen.append(piece)
+        return chosen + ([last] if last is not None else [])
 
 
-def assemble(pieces: Sequence[Piece], seq_len: int, group_size: int) -> dict[str, np.ndarray]:
-    """Pieces, in row order, as one row of `seq_len` positions, each piece its own document,
-    padded after the last one (see the module docstring). Raises if they do not fit."""
-    L, G = seq_len, group_size
-    used = sum(sl.stop - sl.start for _, sl in pieces)
-    if used > L:
-        raise ValueError(f"{used} positions do not fit a row of {L}")
-    ids = np.concatenate([s.ids[sl] for s, sl in pieces])
-    docs = np.concatenate([np.full(sl.stop - sl.start, d) for d, (_, sl) in enumerate(pieces)])
-    cat = {key: np.concatenate([getattr(s, key)[sl] for s, sl in pieces])
-           for key in ("modality", "coords", "segment", "attention", "window")}
-    labels = np.concatenate([s.labels[sl] for s, sl in pieces])
-    target_modality = np.concatenate([s.target[sl] for s, sl in pieces])
-    # a segment id unique within the row: (document, segment index) runs
-    key = docs * 100_000 + cat["segment"]
-    segment_ids = np.cumsum(np.r_[0, key[1:] != key[:-1]])
-    row = {
-        "ids": ids, "labels": labels, "modality": cat["modality"], "coords": cat["coords"], "doc_ids": docs,
-        "segment_ids": segment_ids, "attention": cat["attention"], "window": cat["window"],
-        "target_modality": target_modality,
+def gather(rows: Sequence[Sequence[Piece]], seq_len: int, group_size: int) -> dict[str, np.ndarray]:
+    """Rows of pieces, each piece its own document, as a batch [B, seq_len, ...] under the row keys,
+    padded after each row's last piece (see the module docstring). Raises if a row does not fit."""
+    B, L, G = len(rows), seq_len, group_size
+    pieces = [(r, d, p) for r, row in enumerate(rows) for d, p in enumerate(row)]
+    if not pieces or any(not row for row in rows):
+        raise ValueError("every row needs at least one piece")
+    row_of = np.array([r for r, _, _ in pieces], dtype=np.int64)
+    doc = np.array([d for _, d, _ in pieces], dtype=np.int64)
+    start = np.array([p[1] for _, _, p in pieces], dtype=np.int64)
+    n = np.array([p[2] - p[1] for _, _, p in pieces], dtype=np.int64)
+    used = np.bincount(row_of, weights=n, minlength=B).astype(np.int64)
+    if (used > L).any():
+        raise ValueError(f"{int(used.max())} positions do not fit a row of {L}")
+    ends = np.cumsum(n)
+    first_piece = np.r_[0, np.cumsum(np.bincount(row_of, minlength=B))][:-1]
+    in_row = ends - n - (ends - n)[first_piece][row_of]  # where each piece starts in its row
+    local = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - n, n)
+    dest = np.repeat(row_of * L + in_row, n) + local
+    src = np.repeat(start, n) + local
+    owners: dict[int, int] = {}
+    source_of = np.array([owners.setdefault(id(p[0]), len(owners)) for _, _, p in pieces], dtype=np.int64)
+    objects = {owners[id(p[0])]: p[0] for _, _, p in pieces}
+    out = {
+        "ids": np.full((B * L, G), -1, dtype=np.int64), "labels": np.full((B * L, G), IGNORE_INDEX, dtype=np.int64),
+        "modality": np.full(B * L, PAD_MODALITY, dtype=np.int64), "target_modality": np.full(B * L, -1, dtype=np.int64),
+        "coords": np.zeros((B * L, 3), dtype=np.int64), "attention": np.full(B * L, ATTENTION_IDS["causal"], dtype=np.int64),
+        "window": np.zeros(B * L, dtype=np.int64),
     }
-    if used < L:  # padding: a causal segment of the last document, no targets
-        pad = L - used
-        last_t = row["coords"][-1, 0]
-        filler = np.full((pad, G), -1, dtype=np.int64)
-        filler[:, 0] = PAD_ID
-        row["ids"] = np.concatenate([row["ids"], filler])
-        row["labels"] = np.concatenate([row["labels"], np.full((pad, G), IGNORE_INDEX, dtype=np.int64)])
-        row["target_modality"] = np.r_[row["target_modality"], np.full(pad, -1)]
-        row["modality"] = np.r_[row["modality"], np.full(pad, PAD_MODALITY)]
-        row["coords"] = np.concatenate([row["coords"], np.repeat(last_t + 1 + np.arange(pad)[:, None], 3, 1)])
-        row["doc_ids"] = np.r_[row["doc_ids"], np.full(pad, row["doc_ids"][-1])]
-        row["segment_ids"] = np.r_[row["segment_ids"], np.full(pad, row["segment_ids"][-1] + 1)]
-        row["attention"] = np.r_[row["attention"], np.full(pad, ATTENTION_IDS["causal"])]
-        row["window"] = np.r_[row["window"], np.zeros(pad, dtype=np.int64)]
-    return {k: np.asarray(v, dtype=np.int64) for k, v in row.items()}
+    out["ids"][:, 0] = PAD_ID
+    segment = np.full(B * L, -1, dtype=np.int64)  # padding: a segment of its own
+    fields = (("ids", "ids"), ("labels", "labels"), ("modality", "modality"), ("target_modality", "target"),
+              ("coords", "coords"), ("attention", "attention"), ("window", "window"))
+    if len(objects) == 1:
+        parts = [(objects[0], dest, src)]
+    else:
+        by_position = np.repeat(source_of, n)
+        parts = [(obj, dest[by_position == k], src[by_position == k]) for k, obj in objects.items()]
+    for obj, d, s in parts:
+        for key, name in fields:
+            out[key][d] = getattr(obj, name)[s]
+        segment[d] = obj.segment[s]
+    # padding after each row's last piece: coordinates go on from its last one, no targets
+    col = np.tile(np.arange(L, dtype=np.int64), B)
+    row = np.repeat(np.arange(B, dtype=np.int64), L)
+    pad = col >= used[row]
+    last_t = out["coords"][np.arange(B) * L + used - 1, 0]
+    out["coords"][pad] = (last_t[row[pad]] + 1 + col[pad] - used[row[pad]])[:, None]
+    docs = np.repeat(np.bincount(row_of, minlength=B) - 1, L)  # padding: the row's last document
+    docs[dest] = np.repeat(doc, n)
+    # a segment id unique within the row: a new one at each change of (document, segment)
+    key = np.where(pad, -1, docs * 1_000_000 + segment)
+    segment_ids = np.cumsum(np.r_[False, key[1:] != key[:-1]])
+    segment_ids -= segment_ids[row * L]  # each row counts from 0
+    out["doc_ids"], out["segment_ids"] = docs, segment_ids
+    shapes = {"ids": (B, L, G), "labels": (B, L, G), "coords": (B, L, 3)}
+    return {k: v.reshape(shapes.get(k, (B, L))) for k, v in out.items()}
 
 
-def pack_row(samples: Sequence[Positions], seq_len: int) -> dict[str, np.ndarray]:
-    """Whole samples, in order, as one row of `seq_len` positions (padded; raises if they do not fit)."""
-    return assemble([(s, slice(0, len(s))) for s in samples], seq_len, samples[0].ids.shape[1])
+def pack_row(samples: Sequence[Any], seq_len: int) -> dict[str, np.ndarray]:
+    """Whole samples (`Positions`), in order, as one row of `seq_len` positions (padded; raises if
+    they do not fit)."""
+    batch = gather([[(s, 0, len(s)) for s in samples]], seq_len, samples[0].ids.shape[1])
+    return {k: v[0] for k, v in batch.items()}
 
 
 def fill_ratio(modality: np.ndarray) -> np.ndarray:

@@ -7,7 +7,8 @@ of readers; rank r of W takes global samples r, r+W, r+2W, ... With `holdout` > 
 fraction of the samples (a hash of file name and row) forms the validation split and the
 training split skips them.
 
-Groups. A sample's flat tokens are read through its segments into *positions*: a text or image
+Groups. A sample's flat tokens are read through its segments into *positions* (for a whole
+window of files at once, the samples this rank takes: `datasets/layout.py`): a text or image
 token is one position, an audio frame (L codes, one per RVQ level, stored frame-major) is one
 position holding a group of L ids (ARCHITECTURE.md, "Groups"). Rows carry `ids` [P, G] with G
 = `group_size` slots (unused slots -1), and per position its modality, rotary coordinates
@@ -47,23 +48,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokenloom.catalog.uris import filesystem_and_path
-from tokenloom.contract import (
-    ATTENTION_IDS,
-    DEFAULT_ATTENTION,
-    IGNORE_INDEX,
-    MODALITY_IDS,
-    ROW_KEYS,
-    SPECIAL_TOKENS,
-)
-from tokenloom.datasets.packing import PAD_ID, assemble, choose_row, fill_ratio, pack_row, split_points
+from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
+from tokenloom.datasets.packing import PAD_ID, PackWindow, Piece, fill_ratio, gather, pack_row, split_points
 
 __all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "SourceSpec", "StreamConfig",
            "StreamExhausted", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
-
-ROW_ID = SPECIAL_TOKENS.index("<row>")  # the input id of an image's learned start row
 
 
 class NoSampleFits(ValueError):
@@ -136,133 +129,31 @@ class StreamState:
         return StreamState(int(d["epoch"]), int(d["cursor"]), pending, int(d.get("skipped", 0)))
 
 
-@dataclass
-class Positions:
-    """One sample read as positions, with each position's target."""
-
-    ids: np.ndarray  # [P, G] int64, unused slots -1
-    modality: np.ndarray  # [P]
-    coords: np.ndarray  # [P, 3] rotary (t, h, w)
-    segment: np.ndarray  # [P] segment index within the sample
-    attention: np.ndarray  # [P] ATTENTION_IDS
-    window: np.ndarray  # [P] attention window (0 unless windowed)
-    ends_row: bool  # a windowed segment is followed by more of this sample
-    labels: np.ndarray | None = None  # [P, G] the group each position predicts, IGNORE_INDEX where none
-    target: np.ndarray | None = None  # [P] the modality of that target, -1 where none
-    media: list[tuple[int, int]] = field(default_factory=list)  # [start, stop) positions of each image/audio segment
-
-    def __len__(self) -> int:
-        return len(self.modality)
-
-
-def sample_positions(tokens: np.ndarray, segments: list[dict] | None, group_size: int, audio_window: int) -> Positions:
-    """A sample's flat tokens and segments -> positions and their targets (see the module docstring)."""
-    if not segments:
-        segments = [{"modality": "text", "start": 0, "length": len(tokens), "grid": [], "attention": None}]
-    ids, modality, coords, segment, attention, window = [], [], [], [], [], []
-    image_targets: list[tuple[int, np.ndarray, int]] = []  # (first position, codes in raster order, width)
-    media: list[tuple[int, int]] = []
-    p, ends_row, seg_no, n_pos = 0, False, 0, 0
-    for k, seg in enumerate(segments):
-        kind_name = seg.get("attention") or DEFAULT_ATTENTION[seg["modality"]]
-        start, length = int(seg["start"]), int(seg["length"])
-        toks = tokens[start : start + length].astype(np.int64)
-        mod = seg["modality"]
-        seg_col = None
-        if mod == "audio":
-            frames, levels = (int(x) for x in seg["grid"])
-            if frames * levels != length:
-                raise ValueError(f"audio segment grid {seg['grid']} does not match its length {length}")
-            if levels > group_size:
-                raise ValueError(f"audio frames of {levels} levels do not fit groups of {group_size}; "
-                                 "set stream.group_size from the vocabulary manifest")
-            group = np.full((frames, group_size), -1, dtype=np.int64)
-            group[:, :levels] = toks.reshape(frames, levels)
-            t = p + np.arange(frames)
-            xyz = np.stack([t, t, t], axis=1)
-            n = frames
-            p += frames
-        elif mod == "image":
-            # a learned start row (w <row> positions), then the h rows; each row is its own
-            # segment, so attention is bidirectional within a row and causal across rows
-            h, w = (int(x) for x in seg["grid"])
-            if h * w != length:
-                raise ValueError(f"image segment grid {seg['grid']} does not match its length {length}")
-            n = (h + 1) * w
-            group = np.full((n, group_size), -1, dtype=np.int64)
-            group[:w, 0] = ROW_ID
-            group[w:, 0] = toks
-            r, c = np.divmod(np.arange(n), w)  # r = 0 is the start row, r = i + 1 the image's row i
-            xyz = np.stack([np.full(n, p), p + r, p + c], axis=1)
-            seg_col = seg_no + r
-            image_targets.append((n_pos, toks, w))
-            p += max(h + 1, w)
-        else:
-            group = np.full((length, group_size), -1, dtype=np.int64)
-            group[:, 0] = toks
-            t = p + np.arange(length)
-            xyz = np.stack([t, t, t], axis=1)
-            n = length
-            p += length
-        win = audio_window if kind_name == "window" else 0
-        if win and n > win and k < len(segments) - 1:
-            ends_row = True
-        ids.append(group)
-        modality.append(np.full(n, MODALITY_IDS[mod]))
-        coords.append(xyz)
-        segment.append(np.full(n, seg_no) if seg_col is None else seg_col)
-        seg_no = int(segment[-1][-1]) + 1
-        attention.append(np.full(n, ATTENTION_IDS[kind_name]))
-        window.append(np.full(n, win))
-        if mod in ("image", "audio"):
-            media.append((n_pos, n_pos + n))
-        n_pos += n
-    ids_all, mod_all = np.concatenate(ids), np.concatenate(modality)
-    labels, target = _targets(ids_all, mod_all, image_targets)
-    return Positions(ids_all, mod_all, np.concatenate(coords).astype(np.int64), np.concatenate(segment),
-                     np.concatenate(attention), np.concatenate(window), ends_row, labels, target, media)
-
-
-def _targets(ids: np.ndarray, modality: np.ndarray, images: list[tuple[int, np.ndarray, int]]
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """Each position's target group and its modality.
-
-    Text and audio: the next position's group (audio: a frame's L codes). No position predicts an
-    image's start row (it is given). In an image, the w positions of the start row predict row 0
-    and those of row r predict row r + 1, column by column; the last row predicts nothing except
-    at its last position, which predicts what follows the image (its `<eoi>`). So no target is
-    visible to the position that predicts it: rows see only themselves and the rows above."""
-    P, G = ids.shape
-    labels = np.full((P, G), IGNORE_INDEX, dtype=np.int64)
-    target = np.full(P, -1, dtype=np.int64)
-    labels[:-1] = ids[1:]
-    target[:-1] = modality[1:]
-    given = np.r_[ids[1:, 0] == ROW_ID, False]  # predicting a start row position
-    labels[given], target[given] = IGNORE_INDEX, -1
-    for first, codes, w in images:
-        n = len(codes)
-        labels[first : first + n] = IGNORE_INDEX
-        labels[first : first + n, 0] = codes
-        target[first : first + n] = MODALITY_IDS["image"]
-        last_row = slice(first + n, first + n + w - 1)  # all of the last row but its last position
-        labels[last_row], target[last_row] = IGNORE_INDEX, -1
-    labels[labels < 0] = IGNORE_INDEX
-    return labels, target
-
-
-def _read_samples(path: str) -> list[tuple[np.ndarray, list[dict] | None]]:
-    filesystem, inner = filesystem_and_path(path)
-    try:
-        schema = pq.read_schema(inner, filesystem=filesystem)
-        columns = ["tokens", "segments"] if "segments" in schema.names else ["tokens"]
-        table = pq.read_table(inner, columns=columns, filesystem=filesystem)
-    except (OSError, ValueError) as exc:
-        raise OSError(f"cannot read token shard {path}: {exc}") from exc
-    col = table.column("tokens").combine_chunks()
-    offsets = col.offsets.to_numpy()
-    flat = col.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-    segments = table.column("segments").to_pylist() if "segments" in columns else [None] * len(col)
-    return [(flat[offsets[i] : offsets[i + 1]], segments[i]) for i in range(len(col))]
+def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: np.ndarray | None = None) -> Layout:
+    """The samples of Parquet token shards, in file and row order, laid out (`datasets/layout.py`);
+    with `rows`, only those (indices into the files' samples taken together, ascending)."""
+    tables = []
+    for path in paths:
+        filesystem, inner = filesystem_and_path(path)
+        try:
+            schema = pq.read_schema(inner, filesystem=filesystem)
+            columns = ["tokens", "segments"] if "segments" in schema.names else ["tokens"]
+            table = pq.read_table(inner, columns=columns, filesystem=filesystem)
+        except (OSError, ValueError) as exc:
+            raise OSError(f"cannot read token shard {path}: {exc}") from exc
+        tables.append(table)
+    list_type = pa.list_(pa.int32())
+    tokens = pa.chunked_array([c for t in tables for c in t.column("tokens").cast(list_type).chunks], list_type)
+    segment_types = [t.schema.field("segments").type for t in tables if "segments" in t.column_names]
+    segments = None
+    if segment_types:  # files without the column (written before segments existed) are all text
+        segments = pa.chunked_array([c for t in tables for c in (
+            t.column("segments") if "segments" in t.column_names else pa.chunked_array([pa.nulls(len(t), segment_types[0])])
+        ).chunks], segment_types[0])
+    if rows is not None:
+        tokens = tokens.take(rows)
+        segments = None if segments is None else segments.take(rows)
+    return layout_table(tokens, segments, group_size, audio_window)
 
 
 def held_out(file: ShardFile, fraction: float) -> np.ndarray:
@@ -323,8 +214,11 @@ class TokenStream:
         if config.pack_window < 1:
             raise ValueError(f"stream.pack_window must be at least 1, got {config.pack_window}")
         self._order: EpochOrder | None = None
-        self._cache: dict[int, list] = {}  # window index -> samples in window order
-        self._window: list[tuple[PendingPiece, Positions]] = []  # the packing window (`StreamState.pending`)
+        # window index -> (the samples of its files this rank takes, laid out; for each place in the
+        # window's order, that sample's index in the layout, -1 where another rank's). One window in
+        # memory at a time, besides pieces still pending from older ones.
+        self._cache: dict[int, tuple[Layout, np.ndarray]] = {}
+        self._window = PackWindow()  # the packing window, its pieces named by `PendingPiece`
         self._epoch = self._cursor = self._skipped = 0
         self._warned = False  # one warning per stream about skipped samples; the count says the rest
         self.state = state or StreamState()
@@ -345,27 +239,32 @@ class TokenStream:
         total = self._epoch_order(epoch).total
         return (total - self.rank + self.world - 1) // self.world
 
-    def _raw(self, epoch: int, cursor: int) -> list:
+    def _raw(self, epoch: int, cursor: int) -> tuple[Layout, int]:
+        """The laid-out window holding a rank-local sample, and the sample's index in it."""
         order = self._epoch_order(epoch)
         global_index = cursor * self.world + self.rank
         w = int(np.searchsorted(order.window_starts, global_index, side="right") - 1)
         if w not in self._cache:
-            self._cache.clear()  # one window in memory at a time
+            self._cache.clear()
             members, perm = order.windows[w]
-            samples = [s for i in members for s in _read_samples(order.files[i].path)]
-            self._cache[w] = [[samples[j], None] for j in perm]
-        return self._cache[w][global_index - order.window_starts[w]]
+            mine = (order.window_starts[w] + np.arange(len(perm))) % self.world == self.rank
+            rows = np.sort(perm[mine])
+            layout = read_layout([order.files[i].path for i in members], self.group_size, self.config.audio_window,
+                                 rows)
+            where = np.full(len(perm), -1, dtype=np.int64)
+            where[mine] = np.searchsorted(rows, perm[mine])
+            self._cache[w] = (layout, where)
+        layout, where = self._cache[w]
+        return layout, int(where[global_index - order.window_starts[w]])
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
         """The flat tokens of a rank-local sample."""
-        return self._raw(epoch, cursor)[0][0]
+        layout, i = self._raw(epoch, cursor)
+        return layout.sample_tokens(i)
 
     def _positions(self, epoch: int, cursor: int) -> Positions:
-        entry = self._raw(epoch, cursor)
-        if entry[1] is None:
-            tokens, segments = entry[0]
-            entry[1] = sample_positions(tokens, segments, self.group_size, self.config.audio_window)
-        return entry[1]
+        layout, i = self._raw(epoch, cursor)
+        return layout.sample(i)
 
     # -- packing --------------------------------------------------------------------------
     @property
@@ -383,40 +282,46 @@ class TokenStream:
             return
         while self._cursor >= self.samples_per_epoch(self._epoch):
             self._epoch, self._cursor = self._epoch + 1, 0
-        at, self._cursor = PendingPiece(self._epoch, self._cursor, 0, 0), self._cursor + 1
-        s = self._positions(at.epoch, at.cursor)
-        points = split_points(s, self.config.seq_len)
+        epoch, cursor = self._epoch, self._cursor
+        self._cursor += 1
+        layout, i = self._raw(epoch, cursor)
+        length = layout.length(i)
+        points = split_points(length, layout.media_of(i) if length > self.config.seq_len else (), self.config.seq_len)
         if points is None:
             self._skipped += 1
-            longest = max(b - a for a, b in s.media)
+            longest = max(b - a for a, b in layout.media_of(i))
             if not self._warned:
-                warnings.warn(f"a sample (epoch {at.epoch}, rank {self.rank} sample {at.cursor}) has a media segment "
+                warnings.warn(f"a sample (epoch {epoch}, rank {self.rank} sample {cursor}) has a media segment "
                               f"of {longest} positions, longer than stream.seq_len {self.config.seq_len}: media is "
                               f"never split across rows, so such samples are skipped and counted in the stream "
                               f"state's `skipped`; set stream.seq_len to at least {longest} to keep them", stacklevel=3)
                 self._warned = True
             return
-        for a, b in zip(points[:-1], points[1:], strict=True):
-            self._window.append((PendingPiece(at.epoch, at.cursor, a, b), s))
+        self._add_pieces(layout, i, [PendingPiece(epoch, cursor, a, b) for a, b in zip(points[:-1], points[1:],
+                                                                                      strict=True)])
 
-    def next_row(self) -> dict[str, np.ndarray]:
-        """The next packed row (see `datasets/packing.py`)."""
+    def _add_pieces(self, layout: Layout, i: int, pieces: Sequence[PendingPiece]) -> None:
+        base, closes = int(layout.offsets[i]), bool(layout.ends_row[i])
+        for p in pieces:
+            self._window.add(p, (layout, base + p.start, base + p.stop), closes)
+
+    def next_plan(self) -> list[Piece]:
+        """The pieces of the next packed row, in row order (`datasets/packing.py`); `gather` builds rows."""
         in_a_row = 0  # samples pulled in a row that gave no piece
         while len(self._window) < self.config.pack_window and not self.exhausted:
             before = len(self._window)
             self._pull()
             in_a_row = 0 if len(self._window) > before else in_a_row + 1
-            if in_a_row > self.samples_per_epoch(self._epoch) and not self._window:
+            if in_a_row > self.samples_per_epoch(self._epoch) and not len(self._window):
                 raise NoSampleFits(f"no sample of rank {self.rank} fits a row of stream.seq_len "
-                                 f"{self.config.seq_len} (each has a media segment longer than that): raise seq_len")
-        if not self._window:
+                                   f"{self.config.seq_len} (each has a media segment longer than that): raise seq_len")
+        if not len(self._window):
             raise StreamExhausted(f"rank {self.rank} has read its {self.passes} pass(es)")
-        chosen = choose_row([p.stop - p.start for p, _ in self._window],
-                            [s.ends_row for _, s in self._window], self.config.seq_len)
-        pieces = [(self._window[k][1], slice(self._window[k][0].start, self._window[k][0].stop)) for k in chosen]
-        taken = set(chosen)
-        self._window = [w for k, w in enumerate(self._window) if k not in taken]
-        return assemble(pieces, self.config.seq_len, self.group_size)
+        return self._window.take_row(self.config.seq_len)
+
+    def next_row(self) -> dict[str, np.ndarray]:
+        """The next packed row (see `datasets/packing.py`)."""
+        return {k: v[0] for k, v in gather([self.next_plan()], self.config.seq_len, self.group_size).items()}
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         while True:
@@ -426,25 +331,24 @@ class TokenStream:
         """Batches of rows [B, ...] under the row keys, plus `fill_ratio` [B] float64: each row's
         non-padding share, whose mean is the batch's fill ratio."""
         while True:
-            rows = [self.next_row() for _ in range(batch_size)]
-            batch = {k: np.stack([r[k] for r in rows]) for k in ROW_KEYS}
+            batch = gather([self.next_plan() for _ in range(batch_size)], self.config.seq_len, self.group_size)
             batch["fill_ratio"] = fill_ratio(batch["modality"])
             yield batch
 
     @property
     def state(self) -> StreamState:
-        return StreamState(self._epoch, self._cursor, tuple(p for p, _ in self._window), self._skipped)
+        return StreamState(self._epoch, self._cursor, tuple(self._window.names()), self._skipped)
 
     @state.setter
     def state(self, state: StreamState) -> None:
-        window = []
+        self._window = PackWindow()
         for p in state.pending:
-            s = self._positions(p.epoch, p.cursor)
-            if not 0 <= p.start < p.stop <= len(s):
-                raise ValueError(f"stream state names positions [{p.start}, {p.stop}) of a sample of {len(s)}: "
-                                 "it was saved for other data or stream settings")
-            window.append((p, s))
-        self._epoch, self._cursor, self._skipped, self._window = state.epoch, state.cursor, state.skipped, window
+            layout, i = self._raw(p.epoch, p.cursor)
+            if not 0 <= p.start < p.stop <= layout.length(i):
+                raise ValueError(f"stream state names positions [{p.start}, {p.stop}) of a sample of "
+                                 f"{layout.length(i)}: it was saved for other data or stream settings")
+            self._add_pieces(layout, i, [p])
+        self._epoch, self._cursor, self._skipped = state.epoch, state.cursor, state.skipped
 
     def state_dict(self) -> dict:
         return self.state.to_dict()
