@@ -10,7 +10,10 @@ With `--pools service` the job tokenizes through warm long-lived services (platf
 the text deployment is started, with the job's bundle and manifest, before timing), so no actor
 starts per job.
 
-    .venv/bin/python bench/bench_ingest.py [--mb 60] [--repeats 2] [--pools job|service]
+With `--actors N` the text pool (or service) runs N actors (replicas); the scaling efficiency
+E(n) = T(n) / (n T(1)) compares runs at n and 1 (T: the job's MB/s).
+
+    .venv/bin/python bench/bench_ingest.py [--mb 60] [--repeats 2] [--pools job|service] [--actors 2]
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--pools", choices=("job", "service"), default="job")
+    ap.add_argument("--actors", type=int, default=2, help="text pool actors (service replicas), fixed")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="tl-bench-"))
     cache = Path(os.environ.get("TOKENLOOM_BENCH_CACHE", "/tmp/tokenloom-bench-corpus"))
@@ -58,6 +62,8 @@ def main() -> None:
     cfg = IngestConfig()
     cfg.ray.progress_bars = False
     cfg.pools["text"].batch_size = args.batch_size
+    cfg.pools["text"].min_actors = cfg.pools["text"].max_actors = args.actors
+    cfg.pools["text"].task_below_bytes = 0  # always actors, so --actors is what runs
     # the corpus repeats its sources on purpose (passes past ~11 MB) and the peer tokenizes every
     # record: filters and dedup are off here; bench_dedup.py measures what they cost
     cfg.filters.enabled = cfg.dedup.enabled = False
@@ -74,10 +80,10 @@ def main() -> None:
         defaults = {"text": pool_worker_kwargs("text", {"text": str(info.path)}, vocab, cfg)}
         serve.start(http_options={"host": "127.0.0.1", "port": 0})
         serve.run(application(defaults, {"text": "text_pool"}, cfg.service, ray.cluster_resources()["CPU"],
-                              {"text": (2, 2)}), name=APP, route_prefix="/", blocking=False)
+                              {"text": (args.actors, args.actors)}), name=APP, route_prefix="/", blocking=False)
     ray_start = time.perf_counter() - t0
     print(f"corpus {nbytes / 1e6:.1f} MB in {len(list(corpus.glob('*.jsonl')))} files; cores {os.cpu_count()}; "
-          f"ray start {ray_start:.1f} s; pools: {args.pools}")
+          f"ray start {ray_start:.1f} s; pools: {args.pools}, {args.actors} text actor(s)")
     rows = []
     for rep in range(args.repeats):
         peer_s, peer_tokens = peer(corpus, tok)

@@ -153,3 +153,36 @@ def test_ingest_through_the_services_commits_what_the_jobs_own_pools_commit(serv
     assert (result.samples, result.tokens, result.quarantined) == (job.samples, job.tokens, job.quarantined)
     mine, theirs = _job_rows(home, cfg, "media-via-service"), _job_rows(home, cfg, "media")
     assert {s: r["tokens"] for s, r in mine.items()} == {s: r["tokens"] for s, r in theirs.items()}
+
+
+def test_generate_through_the_services_equals_generate_with_its_own_tokenizers(services, tmp_path):
+    """A model whose manifest is the services' (the dataset's): a prompt of an image, an audio clip
+    and text, tokenized by the services, gives the same prompt positions and greedy ids as the same
+    prompt tokenized in-process; a model trained on other bundles is refused with the reason."""
+    import json
+
+    from tokenloom.jobs.generate import generate
+    from tokenloom.jobs.pools import load_state
+    from tokenloom.model.config import ModelConfig, MoEConfig
+    from tokenloom.model.io import save_model
+    from tokenloom.model.unified import UnifiedModel
+    from tokenloom.tokenizers.vocab import VocabManifest
+
+    home, _, inputs, _, _ = services
+    vocab = VocabManifest.from_dict(load_state(home)["defaults"]["text"]["vocab"])
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab.size, audio_ranges=tuple((r.start, r.stop) for r in vocab.audio), dim=32,
+                      n_layers=1, n_heads=2, max_seq_len=2048, moe=MoEConfig(n_experts=2, top_k=1, expert_hidden=16))
+    folder = save_model(UnifiedModel(cfg).state_dict(), cfg, tmp_path / "model", {"vocab": vocab.to_dict()})
+    image = next(p for p in sorted((inputs / "images").iterdir()) if p.suffix == ".png")
+    clip = next(p for p in sorted((inputs / "audio").iterdir()) if p.suffix == ".wav")
+    ask = {"prompt": "Describe what you see and hear.", "image": image, "audio": clip, "temperature": 0.0,
+           "max_new_tokens": 6}
+    local = generate(home, folder, "text", **ask)
+    served = generate(home, folder, "text", pools="service", **ask)
+    assert served["pools"] == "service" and served["prompt_positions"] == local["prompt_positions"] > 20
+    assert served["ids"] == local["ids"]
+    other = {**vocab.to_dict(), "bundles": {**vocab.bundles, "text": "text-0000000000"}}
+    (folder / "model.json").write_text(json.dumps({**json.loads((folder / "model.json").read_text()), "vocab": other}))
+    with pytest.raises(ValueError, match="tokenize text with bundle"):
+        generate(home, folder, "text", pools="service", **ask)

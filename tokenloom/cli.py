@@ -918,6 +918,8 @@ def generate_command(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     out: Annotated[Path | None, typer.Option("--out", help="File to write (text, PNG or WAV); default: under "
                                              "home/generations/.")] = None,
+    pools: Annotated[str, typer.Option("--pools", help="Tokenize the prompt here (local) or through the "
+                                       "long-lived tokenizer services of `pools up` (service).")] = "local",
     home: HomeOpt = None, json_out: JsonOpt = False,
 ):
     """Generate from a trained model: continue text, caption an image, transcribe audio, draw an
@@ -926,7 +928,7 @@ def generate_command(
     from tokenloom.jobs.home import Home
 
     doc = jobs.generate(Home.resolve(home), source, to, prompt, image, audio, parse_grid(grid), seconds,
-                        max_new_tokens, temperature, top_k, top_p, seed, out)
+                        max_new_tokens, temperature, top_k, top_p, seed, out, pools=pools)
     if json_out:
         return _emit_json(doc)
     made = doc["text"] if to == "text" else doc["out"]

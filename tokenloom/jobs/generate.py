@@ -131,8 +131,13 @@ class Generator:
         except AudioProblem as exc:
             raise ValueError(f"{path}: {exc}") from None
 
-    def prompt_parts(self, text: str | None = None, image: Path | None = None, audio: Path | None = None) -> list:
-        """Media first (as a captioned or transcribed sample), then the prompt text."""
+    def prompt_parts(self, text: str | None = None, image: Path | None = None, audio: Path | None = None,
+                     services=None) -> list:
+        """Media first (as a captioned or transcribed sample), then the prompt text; tokenized by the
+        model's own bundles here, or by the long-lived services (`services`: a
+        `platform.services.ServiceClient`), which must hold the same bundles."""
+        if services is not None:
+            return self._service_parts(services, text, image, audio)
         parts: list = []
         if image is not None:
             parts.append(ImagePart(self.encode_image(image)))
@@ -140,6 +145,29 @@ class Generator:
             parts.append(AudioPart(self.encode_audio(audio)))
         if text:
             parts.append(TextPart(np.asarray(self.tokenizer("text").encode(text), dtype=np.int64)))
+        return parts
+
+    def _service_parts(self, services, text: str | None, image: Path | None, audio: Path | None) -> list:
+        requests = [(m, kind, path) for m, kind, path in (("image", "visual", image), ("audio", "audio", audio))
+                    if path is not None]
+        for modality, kind, path in requests + ([("text", "text", None)] if text else []):
+            if services.vocab.bundles.get(kind) != self.vocab.bundles.get(kind):
+                raise ValueError(f"the tokenizer services tokenize {kind} with bundle "
+                                 f"{services.vocab.bundles.get(kind)}, the model was trained on "
+                                 f"{self.vocab.bundles.get(kind)}: run `tokenloom pools up --dataset` with the "
+                                 "model's dataset, or generate without --pools service")
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"no {modality} file {path}")
+        want = {"image": ImagePart, "audio": AudioPart}
+        parts: list = []
+        for modality, _, path in requests:
+            got = [p for p in services.parts(modality, Path(path).read_bytes(), {"source": str(path)})
+                   if isinstance(p, want[modality])]
+            if len(got) != 1:
+                raise ValueError(f"the {modality} service made {len(got)} {modality} parts of {path}, not one")
+            parts += got
+        if text:
+            parts += [p for p in services.parts("text", json.dumps({"text": text}).encode()) if isinstance(p, TextPart)]
         return parts
 
     def prompt_chunk(self, parts: list, batch: int = 1):
@@ -207,8 +235,10 @@ class Generator:
 def generate(home: Home, source: Path, to: str, prompt: str | None = None, image: Path | None = None,
              audio: Path | None = None, grid: tuple[int, int] | None = None, seconds: float = 2.0,
              max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             out: Path | None = None, generator: Generator | None = None) -> dict:
-    """One generation: returns what was made (text, or the file written) with its log-probabilities."""
+             out: Path | None = None, generator: Generator | None = None, pools: str = "local") -> dict:
+    """One generation: returns what was made (text, or the file written) with its log-probabilities.
+    `pools`: "local" tokenizes the prompt with the model's bundles in this process, "service" through
+    the long-lived tokenizer services (`tokenloom pools up`)."""
     from tokenloom.model.generate import Cursor, Request, SamplingConfig
     from tokenloom.model.generate import generate as decode
 
@@ -224,7 +254,16 @@ def generate(home: Home, source: Path, to: str, prompt: str | None = None, image
         request.max_frames = gen.frames_for(seconds)
     if to != "text":
         gen.tokenizer("visual" if to == "image" else "audio")  # an unknown bundle fails before decoding
-    chunk = gen.prompt_chunk(gen.prompt_parts(prompt, image, audio))
+    if pools not in ("local", "service"):
+        raise ValueError(f"--pools must be local or service, got {pools!r}")
+    services = None
+    if pools == "service":
+        from tokenloom.jobs.pools import load_state
+        from tokenloom.platform.services import ServiceClient
+
+        state = load_state(home)
+        services = ServiceClient(state["http"], next(iter(state["defaults"].values()))["vocab"])
+    chunk = gen.prompt_chunk(gen.prompt_parts(prompt, image, audio, services))
     started = time.perf_counter()
     made = decode(gen.model, gen.space, chunk, Cursor.after(chunk), request, sampling)
     seconds_taken = time.perf_counter() - started
@@ -235,7 +274,7 @@ def generate(home: Home, source: Path, to: str, prompt: str | None = None, image
         out.parent.mkdir(parents=True, exist_ok=True)
     result = gen.decode(to, made.parts[0], out)
     sampled = [x for x in made.logprobs[0] if not np.isnan(x)]
-    doc = {"model": str(gen.folder), "to": to, "prompt_positions": len(chunk), "positions": made.positions,
+    doc = {"model": str(gen.folder), "to": to, "pools": pools, "prompt_positions": len(chunk), "positions": made.positions,
            "sampled": len(sampled), "logprob_mean": float(np.mean(sampled)) if sampled else None,
            "seconds": round(seconds_taken, 3), "positions_per_second": made.positions / max(seconds_taken, 1e-9),
            "ids": made.ids[0], "logprobs": [None if np.isnan(x) else x for x in made.logprobs[0]]}

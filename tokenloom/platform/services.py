@@ -3,7 +3,7 @@
 Why services. A job's actor pool starts its actors (and loads its tokenizers) per job; a service
 keeps replicas warm between jobs, scales them with load, and answers other clients too: the HTTP
 gateway for anyone, `ingest --pools service` for ingestion jobs (they call the deployments through
-Serve handles instead of starting actors), `generate` and RL rollouts for prompts.
+Serve handles instead of starting actors), `generate` and RL rollouts for prompts (`ServiceClient`).
 
 - `TokenizerService` (deployments `text`, `image`, `audio` of the application `tokenizers`):
   each replica holds the modality's pool worker (`platform/workers.py`, the same code a job's
@@ -50,6 +50,9 @@ class ServiceConfig:
     min_replicas: dict[str, int] = field(default_factory=lambda: {"text": 1, "image": 1, "audio": 1})
     max_replicas: dict[str, int] = field(default_factory=lambda: {"text": 0, "image": 2, "audio": 2})
     target_ongoing_requests: float = 2.0  # the autoscaler adds a replica above this load per replica
+    # how long a load must last before the autoscaler adds (removes) replicas; Serve's defaults
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
     num_cpus: float = 0.5  # per replica
     # the largest request body per modality (bytes): a larger one is refused with 413
     max_request_bytes: dict[str, int] = field(default_factory=lambda: {
@@ -58,6 +61,8 @@ class ServiceConfig:
     def validate(self) -> None:
         for m in MODALITIES:
             lo, hi = self.min_replicas.get(m, 1), self.max_replicas.get(m, 0)
+            if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+                raise ValueError("ingest.service: upscale_delay_s and downscale_delay_s must be >= 0")
             if lo < 0 or (hi and hi < max(lo, 1)):
                 raise ValueError(f"ingest.service: {m} replicas must satisfy 0 <= min <= max (max 0: the cluster's "
                                  f"CPUs), got {lo}..{hi}")
@@ -67,7 +72,8 @@ def autoscaling(cfg: ServiceConfig, modality: str, cluster_cpus: float) -> dict:
     """Serve's `autoscaling_config` of a modality's deployment."""
     lo = cfg.min_replicas.get(modality, 1)
     hi = cfg.max_replicas.get(modality, 0) or max(1, int(cluster_cpus / max(cfg.num_cpus, 1e-9)))
-    return {"min_replicas": lo, "max_replicas": max(hi, lo, 1), "target_ongoing_requests": cfg.target_ongoing_requests}
+    return {"min_replicas": lo, "max_replicas": max(hi, lo, 1), "target_ongoing_requests": cfg.target_ongoing_requests,
+            "upscale_delay_s": cfg.upscale_delay_s, "downscale_delay_s": cfg.downscale_delay_s}
 
 
 class TokenizerService:
@@ -257,3 +263,48 @@ def application(defaults: dict[str, dict], labels: dict[str, str], cfg: ServiceC
                                              ray_actor_options=options, max_ongoing_requests=8).bind(modality, kwargs)
     gateway = serve.deployment(Gateway, name="gateway", num_replicas=1, ray_actor_options={"num_cpus": 0.1})
     return gateway.bind(handles, cfg.max_request_bytes)
+
+
+class ServiceError(ValueError):
+    """A tokenizer service could not be reached or refused a request (one line, with the reason)."""
+
+
+class ServiceClient:
+    """The HTTP gateway as a job calls it (`generate --pools service`, RL rollouts): a record in,
+    its parts out, in tokenizer-local ids (`tokenizers.sequence`), so the caller lays them out in
+    its own vocabulary. `vocab` is the manifest the services answer with (`pools.json`)."""
+
+    def __init__(self, url: str, vocab: dict, timeout_s: float = 300.0):
+        from tokenloom.tokenizers.vocab import VocabManifest
+
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.vocab = VocabManifest.from_dict(vocab)
+
+    def tokenize(self, modality: str, body: bytes, query: dict[str, str] | None = None) -> tuple[list[int], list[dict]]:
+        """`POST /tokenize/{modality}`: the sample's ids and segments in the services' manifest."""
+        import urllib.error
+        import urllib.parse
+        import urllib.request
+
+        url = f"{self.url}/tokenize/{modality}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        request = urllib.request.Request(url, data=body, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                doc = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            reason = exc.read().decode(errors="replace")
+            with_reason = json.loads(reason).get("error", reason) if reason.startswith("{") else reason
+            raise ServiceError(f"the {modality} service refused the request ({exc.code}): {with_reason}") from None
+        except OSError as exc:
+            raise ServiceError(f"the tokenizer services at {self.url} do not answer ({exc}): run `tokenloom pools "
+                               "up`, or generate without --pools service") from None
+        return doc["ids"], doc["segments"]
+
+    def parts(self, modality: str, body: bytes, query: dict[str, str] | None = None) -> list:
+        """The record's parts (`ImagePart`, `AudioPart`, `TextPart`) in tokenizer-local ids."""
+        import numpy as np
+
+        from tokenloom.tokenizers.sequence import SampleLayout
+
+        ids, segments = self.tokenize(modality, body, query)
+        return SampleLayout(self.vocab).disassemble(np.asarray(ids, dtype=np.int64), segments)
