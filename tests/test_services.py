@@ -124,6 +124,23 @@ def test_bad_requests_get_413_or_400_and_the_services_stay_up(services):
     assert requests.get(f"{url}/tokenize/text", timeout=60).status_code == 405
     ok = requests.post(f"{url}/tokenize/text", json={"text": "still here"}, timeout=60)  # nothing crashed
     assert ok.status_code == 200 and len(ok.json()["ids"]) > 2
+    # a valid image the quality filters drop (one flat grey) makes no sample: 422 with the filter, and
+    # a job's client (generate --pools service) gets that reason as its one-line error
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from tokenloom.jobs.pools import load_state
+    from tokenloom.platform.services import ServiceClient, ServiceError
+
+    flat = io.BytesIO()
+    Image.fromarray(np.full((64, 64, 3), 128, dtype=np.uint8)).save(flat, format="PNG")
+    dropped = requests.post(f"{url}/tokenize/image", data=flat.getvalue(), timeout=120)
+    assert dropped.status_code == 422 and "quality filter" in dropped.json()["error"], dropped.text
+    client = ServiceClient(url, load_state(home)["defaults"]["text"]["vocab"])
+    with pytest.raises(ServiceError, match=r"refused the request \(422\): dropped by the quality filter"):
+        client.parts("image", flat.getvalue())
 
 
 def test_scale_changes_the_bounds_status_reports(services):

@@ -46,6 +46,7 @@ PAD_ID = SPECIAL_TOKENS.index("<pad>")  # the input id of padding positions (no 
 
 # a piece of a row: an object holding position arrays (`Layout`, `Positions`) and [start, stop) of them
 Piece = tuple[Any, int, int]
+POSITION_FIELDS = ("ids", "labels", "modality", "target", "coords", "segment", "attention", "window")
 _AGE_BITS = 40  # a window key is length << 40 | (2**40 - 1 - age): larger = longer, then older
 
 
@@ -98,6 +99,13 @@ class PackWindow:
         insort(self._keys[closes], (length << _AGE_BITS) | ((1 << _AGE_BITS) - 1 - self._age))
         self._age += 1
 
+    def detach(self, source: Any) -> None:
+        """Give the pending pieces that hold positions of `source` copies of those positions, so that
+        `source` (a window's whole layout) can be freed while they wait."""
+        for age, (name, (src, start, stop), closes) in self._pieces.items():
+            if src is source:
+                self._pieces[age] = (name, (_Span(src, start, stop), 0, stop - start), closes)
+
     def _remove(self, age: int) -> tuple[Piece, bool]:
         _, piece, closes = self._pieces.pop(age)
         keys = self._keys[closes]
@@ -131,6 +139,14 @@ class PackWindow:
             else:
                 chosen.append(piece)
         return chosen + ([last] if last is not None else [])
+
+
+class _Span:
+    """Positions [start, stop) of a source, copied out of it (a piece outliving its window)."""
+
+    def __init__(self, source: Any, start: int, stop: int):
+        for name in POSITION_FIELDS:
+            setattr(self, name, getattr(source, name)[start:stop].copy())
 
 
 def gather(rows: Sequence[Sequence[Piece]], seq_len: int, group_size: int) -> dict[str, np.ndarray]:

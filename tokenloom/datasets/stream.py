@@ -51,6 +51,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.catalog.uris import filesystem_and_path
 from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
 from tokenloom.datasets.packing import PAD_ID, PackWindow, Piece, fill_ratio, gather, pack_row, split_points
@@ -144,12 +145,13 @@ def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: 
         tables.append(table)
     list_type = pa.list_(pa.int32())
     tokens = pa.chunked_array([c for t in tables for c in t.column("tokens").cast(list_type).chunks], list_type)
-    segment_types = [t.schema.field("segments").type for t in tables if "segments" in t.column_names]
     segments = None
-    if segment_types:  # files without the column (written before segments existed) are all text
+    if any("segments" in t.column_names for t in tables):  # files without it (older writers) are all text
+        segments_type = pa.list_(SEGMENT_TYPE)  # one type, whatever widths a writer chose
         segments = pa.chunked_array([c for t in tables for c in (
-            t.column("segments") if "segments" in t.column_names else pa.chunked_array([pa.nulls(len(t), segment_types[0])])
-        ).chunks], segment_types[0])
+            t.column("segments").cast(segments_type) if "segments" in t.column_names
+            else pa.chunked_array([pa.nulls(len(t), segments_type)])
+        ).chunks], segments_type)
     if rows is not None:
         tokens = tokens.take(rows)
         segments = None if segments is None else segments.take(rows)
@@ -232,8 +234,14 @@ class TokenStream:
                 raise ValueError(f"the {self.config.split} split has {self._order.total} samples, too few for "
                                  f"{self.world} ranks")
             self._order_epoch = epoch
-            self._cache.clear()
+            self._drop_cache()
         return self._order
+
+    def _drop_cache(self) -> None:
+        """Forget the window's layout; pieces still pending keep copies of their positions, not it."""
+        for layout, _ in self._cache.values():
+            self._window.detach(layout)
+        self._cache.clear()
 
     def samples_per_epoch(self, epoch: int = 0) -> int:
         total = self._epoch_order(epoch).total
@@ -245,7 +253,7 @@ class TokenStream:
         global_index = cursor * self.world + self.rank
         w = int(np.searchsorted(order.window_starts, global_index, side="right") - 1)
         if w not in self._cache:
-            self._cache.clear()
+            self._drop_cache()
             members, perm = order.windows[w]
             mine = (order.window_starts[w] + np.arange(len(perm))) % self.world == self.rank
             rows = np.sort(perm[mine])
@@ -297,13 +305,14 @@ class TokenStream:
                               f"state's `skipped`; set stream.seq_len to at least {longest} to keep them", stacklevel=3)
                 self._warned = True
             return
-        self._add_pieces(layout, i, [PendingPiece(epoch, cursor, a, b) for a, b in zip(points[:-1], points[1:],
-                                                                                      strict=True)])
+        pieces = [PendingPiece(epoch, cursor, a, b) for a, b in zip(points[:-1], points[1:], strict=True)]
+        self._add_pieces(self._window, layout, i, pieces)
 
-    def _add_pieces(self, layout: Layout, i: int, pieces: Sequence[PendingPiece]) -> None:
+    @staticmethod
+    def _add_pieces(window: PackWindow, layout: Layout, i: int, pieces: Sequence[PendingPiece]) -> None:
         base, closes = int(layout.offsets[i]), bool(layout.ends_row[i])
         for p in pieces:
-            self._window.add(p, (layout, base + p.start, base + p.stop), closes)
+            window.add(p, (layout, base + p.start, base + p.stop), closes)
 
     def next_plan(self) -> list[Piece]:
         """The pieces of the next packed row, in row order (`datasets/packing.py`); `gather` builds rows."""
@@ -341,13 +350,14 @@ class TokenStream:
 
     @state.setter
     def state(self, state: StreamState) -> None:
-        self._window = PackWindow()
+        window = PackWindow()
         for p in state.pending:
             layout, i = self._raw(p.epoch, p.cursor)
             if not 0 <= p.start < p.stop <= layout.length(i):
                 raise ValueError(f"stream state names positions [{p.start}, {p.stop}) of a sample of "
                                  f"{layout.length(i)}: it was saved for other data or stream settings")
-            self._add_pieces(layout, i, [p])
+            self._add_pieces(window, layout, i, [p])
+        self._window = window
         self._epoch, self._cursor, self._skipped = state.epoch, state.cursor, state.skipped
 
     def state_dict(self) -> dict:

@@ -59,10 +59,10 @@ class ServiceConfig:
         "text": 1 << 20, "image": 16 << 20, "audio": 32 << 20})
 
     def validate(self) -> None:
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            raise ValueError("ingest.service: upscale_delay_s and downscale_delay_s must be >= 0")
         for m in MODALITIES:
             lo, hi = self.min_replicas.get(m, 1), self.max_replicas.get(m, 0)
-            if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
-                raise ValueError("ingest.service: upscale_delay_s and downscale_delay_s must be >= 0")
             if lo < 0 or (hi and hi < max(lo, 1)):
                 raise ValueError(f"ingest.service: {m} replicas must satisfy 0 <= min <= max (max 0: the cluster's "
                                  f"CPUs), got {lo}..{hi}")
@@ -242,6 +242,9 @@ class Gateway:
         out = (await handle.tokenize.remote(batch)).to_pylist()[0]
         if out["error"] is not None:
             return JSONResponse({"error": out["error"], "sample_id": out["sample_id"]}, status_code=400)
+        if out["tokens"] is None:  # a valid record a quality filter dropped (as a job would): no sample
+            return JSONResponse({"error": f"dropped by the quality filter {out['filter']}: {out['filter_reason']}",
+                                 "sample_id": out["sample_id"]}, status_code=422)
         return JSONResponse({"sample_id": out["sample_id"], "ids": out["tokens"], "segments": out["segments"]})
 
 
@@ -290,15 +293,22 @@ class ServiceClient:
         request = urllib.request.Request(url, data=body, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                doc = json.loads(response.read())
+                body = response.read()
         except urllib.error.HTTPError as exc:
-            reason = exc.read().decode(errors="replace")
-            with_reason = json.loads(reason).get("error", reason) if reason.startswith("{") else reason
-            raise ServiceError(f"the {modality} service refused the request ({exc.code}): {with_reason}") from None
+            raise ServiceError(f"the {modality} service refused the request ({exc.code}): "
+                               f"{_error_of(exc.read())}") from None
         except OSError as exc:
             raise ServiceError(f"the tokenizer services at {self.url} do not answer ({exc}): run `tokenloom pools "
                                "up`, or generate without --pools service") from None
-        return doc["ids"], doc["segments"]
+        try:
+            doc = json.loads(body)
+            ids, segments = doc["ids"], doc["segments"]
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
+            raise ServiceError(f"the {modality} service answered something that is not a tokenized sample: "
+                               f"{body[:200]!r}") from None
+        if ids is None:
+            raise ServiceError(f"the {modality} service made no sample of the record") from None
+        return ids, segments
 
     def parts(self, modality: str, body: bytes, query: dict[str, str] | None = None) -> list:
         """The record's parts (`ImagePart`, `AudioPart`, `TextPart`) in tokenizer-local ids."""
@@ -308,3 +318,11 @@ class ServiceClient:
 
         ids, segments = self.tokenize(modality, body, query)
         return SampleLayout(self.vocab).disassemble(np.asarray(ids, dtype=np.int64), segments)
+
+
+def _error_of(body: bytes) -> str:
+    """The `error` of a gateway's JSON error answer, else the body's start."""
+    try:
+        return str(json.loads(body)["error"])
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
+        return body[:200].decode(errors="replace")
