@@ -202,9 +202,26 @@ def test_expert_parallel_training_over_two_processes(demo_home, tmp_path):
     # the same rows and weights as replicated experts: only the placement of the experts differs
     # (measured: the same losses to the last digit, weights within 1e-8)
     assert split["losses"] == pytest.approx(replicated["losses"], rel=1e-6)
-    # the held-out evaluation: each rank its share, the sums all-reduced, the same with experts split
+    # the held-out evaluation: each rank its share, the sums all-reduced, the same with experts split.
+    # Which samples are held out is a hash of the data files' names (random job ids): a mix whose
+    # held-out split has fewer samples than ranks is not evaluated (the tiny demo's 22 clips leave
+    # one in ~1.5% of runs), so targets are required only where the split can feed both ranks
+    from tokenloom.datasets import shard_files
+    from tokenloom.datasets.stream import EpochOrder
+    from tokenloom.jobs.config import RunConfig
+    from tokenloom.jobs.home import Home, open_catalog
+    from tokenloom.trainer.evaluate import group_by_mix
+
+    files = shard_files(open_catalog(Home(home), RunConfig()), "stdlib-docs")
+    # (the held-out count is a function of the files alone: seed and window only order it)
+    fed = {mix: EpochOrder(members, 0, 0, 4, 0.25, "val").total >= 2 for mix, members in group_by_mix(files).items()}
+    assert fed["text"]
     for m in ("text", "image", "audio"):
-        assert split["val_loss"][m]["tokens"] == replicated["val_loss"][m]["tokens"] > 0
+        assert split["val_loss"][m]["tokens"] == replicated["val_loss"][m]["tokens"]
+        if not any(ok for mix, ok in fed.items() if m in mix.split("+")):
+            assert split["val_loss"][m]["tokens"] == 0 and split["val_loss"][m]["loss"] is None
+            continue
+        assert split["val_loss"][m]["tokens"] > 0
         assert split["val_loss"][m]["loss"] == pytest.approx(replicated["val_loss"][m]["loss"], rel=1e-5)
 
     run = Path(split["run_dir"])
