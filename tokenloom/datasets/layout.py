@@ -140,15 +140,15 @@ def layout_table(tokens: pa.Array | pa.ChunkedArray, segments: pa.Array | pa.Chu
         columns = _all_text(lengths)
     else:
         segments = _one_chunk(segments)
-        counts = pc.fill_null(pc.list_value_length(segments), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        counts = np.diff(_list_offsets(segments))
         structs = segments.flatten()
         fields = dict(zip([f.name for f in structs.type], structs.flatten(), strict=True))
         modality = pc.index_in(fields["modality"], value_set=pa.array(MODALITIES))
         if modality.null_count:
             bad = fields["modality"].filter(pc.is_null(modality))[0].as_py()
             raise ValueError(f"unknown segment modality {bad!r} (known: {', '.join(MODALITIES)})")
-        grid_counts = pc.fill_null(pc.list_value_length(fields["grid"]), 0).to_numpy(zero_copy_only=False)
-        grid_offsets = np.r_[0, np.cumsum(grid_counts)]
+        grid_offsets = _list_offsets(fields["grid"])
+        grid_counts = np.diff(grid_offsets)
         grid_values = fields["grid"].flatten().to_numpy(zero_copy_only=False).astype(np.int64)
         grid_values = np.r_[grid_values, 0, 0]
         has2 = grid_counts >= 2

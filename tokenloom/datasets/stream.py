@@ -270,10 +270,6 @@ class TokenStream:
         layout, i = self._raw(epoch, cursor)
         return layout.sample_tokens(i)
 
-    def _positions(self, epoch: int, cursor: int) -> Positions:
-        layout, i = self._raw(epoch, cursor)
-        return layout.sample(i)
-
     # -- packing --------------------------------------------------------------------------
     @property
     def exhausted(self) -> bool:
