@@ -40,17 +40,20 @@ def test_demo_runs_end_to_end(demo_home):
     home, s = demo_home
     assert s["samples"] > 500 and s["tokens"] > 50_000
     # the demo corpus carries deliberately bad inputs: 8 text records (write_bad_inputs),
-    # 6 image files (write_bad_images) and 6 audio files (write_bad_audio)
-    assert s["quarantined"] == 20
+    # 6 image files (write_bad_images), 6 audio files (write_bad_audio), 6 videos (write_bad_videos)
+    assert s["quarantined"] == 26
+    assert s["quarantine_reasons"]["zero frames decoded"] == 1 and s["quarantine_reasons"]["no video stream"] == 1
     assert s["quarantine_reasons"]["non-finite samples (NaN or infinity)"] == 2
     assert s["quarantine_reasons"]["invalid UTF-8"] == 2
     assert s["quarantine_reasons"]["decompression bomb"] == 1
-    # images with captions beside text: 18 photos (4 of them through pairs.jsonl), 18 crops, 7 odd files
-    assert s["modalities"]["image"]["samples"] == 43
+    # images with captions beside text: 18 photos (4 of them through pairs.jsonl), 18 crops, 7 odd files;
+    # and the frames of 4 videos (tiny.toml: 2 clips, 1 paired, and bad/broken-sound.mkv, kept without sound)
+    assert s["modalities"]["image"]["samples"] == 43 + 4
     assert s["visual_tokenizer"].startswith("visual-") and s["visual_reused"] is False
     # speech with transcripts: 8 files, 3 pairs; 6 tones/noises; 6 odd files, less odd/clipped.wav,
-    # which the audio.clipping filter drops (see test_every_good_record_is_committed_exactly_once)
-    assert s["modalities"]["audio"]["samples"] == 22
+    # which the audio.clipping filter drops (see test_every_good_record_is_committed_exactly_once);
+    # and the sound tracks of the 3 videos that have one
+    assert s["modalities"]["audio"]["samples"] == 22 + 3
     assert s["audio_tokenizer"].startswith("audio-") and s["audio_reused"] is False
     assert s["steps"] == 30 and s["loss_last"] < s["loss_first"] - 0.3
     assert s["train_tokens_per_second"] > 0
@@ -89,7 +92,9 @@ def test_catalog_reports_the_committed_snapshot(demo_home):
     # per-pool figures of the job (Ray Data's operator stats + the sink's counts): every routed
     # record came out of its pool once; a pool's tokens add up to at least the samples' (dedup drops some)
     pools = shown["pools"]
-    assert set(pools) == {"text", "image", "audio"}
+    assert set(pools) == {"text", "image", "audio", "video"}
+    # 2 clips + 1 paired + 6 bad + broken-sound.mkv, which is kept without its sound track and noted
+    assert pools["video"]["records"] == 10 and pools["video"]["notes"] == {"broken audio track": 1}
     for figures in pools.values():
         assert figures["records"] == figures["records_at_sink"] > 0 and figures["seconds"] > 0
         assert figures["tokens"] > 0 and 0 < figures["busy_fraction"] <= 1
@@ -162,7 +167,7 @@ def test_catalog_tag_stats_verify_and_query_from_the_command_line(demo_home):
     stats = _local("catalog", "stats", "stdlib-docs", "--at", "demo-v1", "--json", home=home)
     assert stats["stats"]["samples"] == s["samples"] and stats["stats"]["tokens"] == s["tokens"]
     assert sum(m["tokens"] for m in stats["stats"]["modalities"].values()) == s["tokens"]
-    assert sum(stats["stats"]["length_hist"]) == s["samples"] and stats["total_quarantined"] == 20
+    assert sum(stats["stats"]["length_hist"]) == s["samples"] and stats["total_quarantined"] == 26
     verified = _local("catalog", "verify", "stdlib-docs", "--json", home=home)
     assert verified["problems"] == [] and verified["files_checked"] >= 1
     rows = _local("catalog", "query", 'SELECT count(*) AS n, sum(num_tokens) AS t FROM "stdlib-docs"',

@@ -359,20 +359,20 @@ def tokenizer_eval_audio(bundle: BundleOpt, audio: AudioOpt, out: OutOpt = None,
 def tokenizer_decode(
     dataset: Annotated[str, typer.Option("--dataset")],
     sample: Annotated[str, typer.Option("--sample", help="sample_id of a committed sample.")],
-    out: Annotated[Path, typer.Option("--out", help="File to write: PNG for images, WAV for audio "
-                                      "(several: FILE-0, FILE-1, ...).")],
+    out: Annotated[Path, typer.Option("--out", help="File to write: PNG for images, WAV for audio, MP4 for "
+                                      "video (several: FILE-0, FILE-1, ...).")],
     levels: Annotated[int | None, typer.Option("--levels", help="Audio: decode from the first K RVQ levels.")] = None,
     at: Annotated[str | None, typer.Option("--at", help="Snapshot id or tag (default: current).")] = None,
     home: HomeOpt = None, json_out: JsonOpt = False, catalog_uri: CatalogUriOpt = None,
 ):
-    """Turn a committed sample's tokens back into images and audio (and its text segments into text)."""
+    """Turn a committed sample's tokens back into images, audio and video (and its text segments into text)."""
     from tokenloom.jobs import tokenizer as jobs
 
     home_, cfg = _setup(home, catalog_uri=catalog_uri)
     doc = jobs.decode_sample(home_, cfg, dataset, sample, out, at=at, levels=levels)
     if json_out:
         return _emit_json(doc)
-    for path in doc["images"] + doc["audio"]:
+    for path in doc["images"] + doc["audio"] + doc["videos"]:
         console.print(f"wrote {path}")
     for text in doc["text"]:
         console.print(f"text: {text}", highlight=False)

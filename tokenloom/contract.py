@@ -40,10 +40,20 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<boa>",  # begin of audio
     "<eoa>",  # end of audio
     "<row>",  # the input id of an image's learned start row (datasets/stream.py)
+    "<bov>",  # begin of video
+    "<eov>",  # end of video
 )
 SPECIAL_BLOCK = 16
 # the specials that open and close a media part of a sample
 MEDIA_DELIMITERS: dict[str, tuple[str, str]] = {"image": ("<boi>", "<eoi>"), "audio": ("<boa>", "<eoa>")}
+# A video is not a modality of its own: its frames are image segments and its sound track audio
+# segments, laid out between these delimiters, each segment carrying its time (in milliseconds from
+# the video's start) as a third grid entry: [h, w, ms] for a frame, [frames, levels, ms] for audio.
+VIDEO_DELIMITERS: tuple[str, str] = ("<bov>", "<eov>")
+VIDEO = "video"  # the name a video sample's modality mix (the partition key) carries besides its segments'
+# The step of M-RoPE's t axis for timed (video) segments: a segment at `ms` starts at t = ms // TIME_TICK_MS
+# from the video's first position, so frames and their sound share one clock (one tick = one 50 Hz audio frame).
+TIME_TICK_MS = 20
 
 # -- training rows ------------------------------------------------------------------------
 IGNORE_INDEX = -100  # a label that no loss counts

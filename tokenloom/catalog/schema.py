@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from tokenloom.contract import ATTENTION_KINDS, MODALITIES
+from tokenloom.contract import ATTENTION_KINDS, MODALITIES, VIDEO
 
 SEGMENT_TYPE = pa.struct(
     [
@@ -133,8 +133,12 @@ def validate_shard_rows(table: pa.Table, vocab_size: int) -> list[str | None]:
 
 
 def modality_mix(segments: Sequence[dict] | None) -> str:
-    """The partition value of a sample: its distinct modalities, sorted, joined by '+'."""
-    return "+".join(sorted({seg["modality"] for seg in segments or []}))
+    """The partition value of a sample: its distinct modalities, sorted, joined by '+'; a sample with
+    timed segments (a video's frames and sound) also names `video`, so videos can be found by it."""
+    names = {seg["modality"] for seg in segments or []}
+    if any(len(seg.get("grid") or ()) >= 3 for seg in segments or []):
+        names.add(VIDEO)
+    return "+".join(sorted(names))
 
 
 def _segment_problem(segments: Sequence[dict], length: int) -> str | None:

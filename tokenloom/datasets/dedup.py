@@ -52,6 +52,15 @@ def image_hash(pixels: np.ndarray, caption: str | None) -> str:
     return digest.hexdigest()
 
 
+def video_hash(frames: np.ndarray, sound: str | None, caption: str | None) -> str:
+    """Of a video's sampled frames [K, H, W, 3] (shape and bytes), its sound track's `AudioHasher`
+    digest (None without sound) and the normalized caption."""
+    digest = hashlib.sha256(b"video\0" + repr(tuple(frames.shape)).encode() + b"\0")
+    digest.update(np.ascontiguousarray(frames, dtype=np.uint8).tobytes())
+    digest.update(b"\0" + (sound or "").encode() + b"\0" + normalize_text(caption).encode())
+    return digest.hexdigest()
+
+
 class AudioHasher:
     """Streaming hash of decoded mono float blocks, quantized to int16, plus the transcript."""
 

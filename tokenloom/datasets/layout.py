@@ -11,7 +11,10 @@ sample's view). Per segment: a text token is one position; an audio frame of L c
 frame-major) is one position holding L ids; an h x w image is a start row of w `<row>` positions
 then its h rows, each row its own segment. Coordinates restart per sample: text and audio
 advance (t, h, w) by one per position; an image begun at p puts row r (0 = the start row) at
-(p, p + r, p + c) and the sample continues at p + max(h + 1, w). Targets: the next position's
+(p, p + r, p + c) and the sample continues at p + max(h + 1, w). A video's timed segments (a third
+grid entry: ms) share one base p, the video's first position: a frame at tick = ms // TIME_TICK_MS
+puts row r at (p + tick, p + r, p + c), an audio frame j of a segment at tick at p + tick + j on all
+three axes, and the sample continues one past the largest coordinate of the video. Targets: the next position's
 group within the sample, except that nothing predicts a start row, the start row and rows 0..h-2
 predict the next row's codes column by column, and of the last row only its last position
 predicts (what follows the image).
@@ -38,6 +41,7 @@ from tokenloom.contract import (
     MODALITIES,
     MODALITY_IDS,
     SPECIAL_TOKENS,
+    TIME_TICK_MS,
 )
 
 __all__ = ["ROW_ID", "Layout", "Positions", "sample_positions", "layout_table"]
@@ -113,7 +117,7 @@ def sample_positions(tokens: np.ndarray, segments: Sequence[dict] | None, group_
     unknown = [s["modality"] for s in segments if s["modality"] not in MODALITY_IDS]
     if unknown:
         raise ValueError(f"unknown segment modality {unknown[0]!r} (known: {', '.join(MODALITIES)})")
-    grid = [list(s.get("grid") or []) + [0, 0] for s in segments]
+    grid = [list(s.get("grid") or []) + [0, 0, -1][len(s.get("grid") or []):] for s in segments]
     columns = _Segments(
         sample=np.zeros(len(segments), dtype=np.int64),
         modality=np.array([MODALITY_IDS[s["modality"]] for s in segments], dtype=np.int64),
@@ -122,7 +126,8 @@ def sample_positions(tokens: np.ndarray, segments: Sequence[dict] | None, group_
         grid0=np.array([g[0] for g in grid], dtype=np.int64),
         grid1=np.array([g[1] for g in grid], dtype=np.int64),
         attention=np.array([ATTENTION_IDS[s["attention"]] if s.get("attention") else -1 for s in segments],
-                           dtype=np.int64))
+                           dtype=np.int64),
+        time=np.array([g[2] for g in grid], dtype=np.int64))
     layout = _layout(tokens, np.array([0, len(tokens)], dtype=np.int64), columns, 1, group_size, audio_window)
     return layout.sample(0)
 
@@ -150,8 +155,8 @@ def layout_table(tokens: pa.Array | pa.ChunkedArray, segments: pa.Array | pa.Chu
         grid_offsets = _list_offsets(fields["grid"])
         grid_counts = np.diff(grid_offsets)
         grid_values = fields["grid"].flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-        grid_values = np.r_[grid_values, 0, 0]
-        has2 = grid_counts >= 2
+        grid_values = np.r_[grid_values, 0, 0, 0]
+        has2, has3 = grid_counts >= 2, grid_counts >= 3
         attention = pc.fill_null(pc.index_in(fields["attention"], value_set=pa.array(ATTENTION_KINDS)), -1)
         if pc.any(pc.and_(pc.is_valid(fields["attention"]), pc.equal(attention, -1))).as_py():
             raise ValueError(f"unknown segment attention (known: {', '.join(ATTENTION_KINDS)})")
@@ -162,7 +167,8 @@ def layout_table(tokens: pa.Array | pa.ChunkedArray, segments: pa.Array | pa.Chu
             length=fields["length"].to_numpy(zero_copy_only=False).astype(np.int64),
             grid0=np.where(has2, grid_values[grid_offsets[:-1]], 0),
             grid1=np.where(has2, grid_values[grid_offsets[:-1] + 1], 0),
-            attention=attention.to_numpy(zero_copy_only=False).astype(np.int64))
+            attention=attention.to_numpy(zero_copy_only=False).astype(np.int64),
+            time=np.where(has3, grid_values[grid_offsets[:-1] + 2], -1))
         if (counts == 0).any():  # samples without segments: one text segment over all their tokens
             columns = _merge(columns, _all_text(lengths, np.flatnonzero(counts == 0)))
     return _layout(flat.astype(np.int32, copy=False), token_offsets, columns, n, group_size, audio_window)
@@ -179,6 +185,7 @@ class _Segments:
     grid0: np.ndarray  # h for images, frames for audio
     grid1: np.ndarray  # w for images, levels for audio
     attention: np.ndarray  # ATTENTION_IDS, -1: the modality's default
+    time: np.ndarray  # ms of a timed (video) segment, -1: untimed
 
 
 def _one_chunk(column):
@@ -196,7 +203,7 @@ def _all_text(lengths: np.ndarray, which: np.ndarray | None = None) -> _Segments
     which = np.arange(len(lengths), dtype=np.int64) if which is None else which
     zeros = np.zeros(len(which), dtype=np.int64)
     return _Segments(which, np.full(len(which), TEXT), zeros, lengths[which].astype(np.int64), zeros, zeros,
-                     np.full(len(which), -1))
+                     np.full(len(which), -1), np.full(len(which), -1))
 
 
 def _merge(a: _Segments, b: _Segments) -> _Segments:
@@ -223,6 +230,7 @@ def _layout(tokens: np.ndarray, token_offsets: np.ndarray, seg: _Segments, n: in
     # positions, coordinate advance and segment indices each segment takes
     npos = np.where(image, (h + 1) * w, np.where(audio, h, length))
     advance = np.where(image, np.maximum(h + 1, w), npos)
+    tick, advance = _video_clock(seg, image, npos, advance)
     segs_taken = np.where(image, h + 1, 1)
     p0 = _excl_cumsum_within(advance, first_seg, seg.sample)
     seg0 = _excl_cumsum_within(segs_taken, first_seg, seg.sample)
@@ -247,8 +255,9 @@ def _layout(tokens: np.ndarray, token_offsets: np.ndarray, seg: _Segments, n: in
         has = p_audio & (levels > slot)
         ids[has, slot] = tokens[tok0[has] + code[has] + slot]
     modality = mod[pseg]
-    t = p0[pseg] + np.where(p_image, 0, j)
-    coords = np.stack([t, t + np.where(p_image, r, 0), t + np.where(p_image, c, 0)], axis=1)
+    base = p0[pseg]
+    t = base + tick[pseg] + np.where(p_image, 0, j)
+    coords = np.stack([t, np.where(p_image, base + r, t), np.where(p_image, base + c, t)], axis=1)
     segment = seg0[pseg] + np.where(p_image, r, 0)
     # targets: the next position's group within the sample
     labels = np.full((P, G), IGNORE_INDEX, dtype=np.int64)
@@ -278,6 +287,28 @@ def _layout(tokens: np.ndarray, token_offsets: np.ndarray, seg: _Segments, n: in
     media_offsets = np.r_[0, np.cumsum(np.bincount(seg.sample[is_media], minlength=n))]
     return Layout(ids, labels, modality, target, coords, segment, attention[pseg], window[pseg], offsets, ends_row,
                   media_offsets, media, tokens, token_offsets)
+
+
+def _video_clock(seg: _Segments, image: np.ndarray, npos: np.ndarray, advance: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Each segment's tick on its video's clock (0 when untimed) and the coordinate advance with
+    videos folded in: a run of timed segments of one sample is one video, all at its first
+    position; its last segment advances past the video's largest coordinate, the others by 0."""
+    timed = seg.time >= 0
+    if not timed.any():
+        return np.zeros(len(timed), dtype=np.int64), advance
+    tick = np.where(timed, seg.time // TIME_TICK_MS, 0)
+    same = seg.sample[1:] == seg.sample[:-1]
+    prev_timed = np.r_[False, timed[:-1] & same]
+    next_timed = np.r_[timed[1:] & same, False]
+    video = np.cumsum(timed & ~prev_timed) - 1  # the video of each timed segment
+    # one past the segment's largest coordinate offset: a frame's rows r <= h and columns c < w at its
+    # tick, audio frames at tick + j
+    extent = np.where(image, np.maximum(tick, np.maximum(seg.grid0, seg.grid1 - 1)), tick + npos - 1) + 1
+    span = np.zeros(int(video[timed].max()) + 1, dtype=np.int64)
+    np.maximum.at(span, video[timed], extent[timed])
+    advance = np.where(timed, np.where(next_timed, 0, span[np.maximum(video, 0)]), advance)
+    return tick, advance
 
 
 def _check(seg: _Segments, image: np.ndarray, audio: np.ndarray, group_size: int) -> None:

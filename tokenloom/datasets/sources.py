@@ -15,13 +15,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenloom.datasets import audio, images
+from tokenloom.datasets import audio, images, video
 
 TEXT_SUFFIXES = {".txt": "text", ".jsonl": "text"}
 ROUTES: dict[str, str] = {**TEXT_SUFFIXES, **{suffix: "image" for suffix in images.IMAGE_SUFFIXES},
-                          **{suffix: "audio" for suffix in audio.AUDIO_SUFFIXES}}
-MEDIA_KEYS = ("image", "audio")  # the field a pairs .jsonl record names its media file with
-READS_BYTES = {"text": True, "image": True, "audio": False}  # audio is read by its pool, in blocks
+                          **{suffix: "audio" for suffix in audio.AUDIO_SUFFIXES},
+                          **{suffix: "video" for suffix in video.VIDEO_SUFFIXES}}
+MEDIA_KEYS = ("image", "audio", "video")  # the field a pairs .jsonl record names its media file with
+# audio and video are read by their pool (in blocks, or frames at a rate), never whole by a read task
+READS_BYTES = {"text": True, "image": True, "audio": False, "video": False}
 CAPTION = "caption"  # a caption sidecar: part of its image's sample, read by the image parser, no pool
 REFERENCED = "referenced"  # an image named by a pairs .jsonl: read through that file, never on its own
 UNPOOLED = (CAPTION, REFERENCED)  # sources that count for lineage (the job id) but feed no pool
@@ -59,7 +61,7 @@ class Record:
     payload: str | None  # the text (for an image record: its caption, if any)
     error: str | None  # quarantine reason
     blob: bytes | None = None  # image records: the image file's bytes (decoded on the image pool)
-    media: str | None = None  # audio records: the file the audio pool reads (in blocks, never whole)
+    media: str | None = None  # audio and video records: the file their pool reads (never whole)
 
 
 def sample_id(source: str, record: str) -> str:
@@ -119,7 +121,7 @@ def _route(file: Path) -> str | None:
 
 def _is_sidecar(path: Path) -> bool:
     """A `.txt`/`.caption` beside an image or audio file of the same stem: its caption or transcript."""
-    media = (*images.IMAGE_SUFFIXES, *audio.AUDIO_SUFFIXES)
+    media = (*images.IMAGE_SUFFIXES, *audio.AUDIO_SUFFIXES, *video.VIDEO_SUFFIXES)
     return any(path.with_suffix(spelled).is_file() for suffix in media for spelled in (suffix, suffix.upper()))
 
 
@@ -347,8 +349,8 @@ def _parse_pairs(path: str, data: bytes, kind: str) -> Iterator[Record]:
         if problem:
             yield Record(sid, path, where, kind, None, problem)
             continue
-        if kind == "audio":
-            yield Record(sid, path, where, "audio", caption, None, media=str(target))
+        if kind in ("audio", "video"):
+            yield Record(sid, path, where, kind, caption, None, media=str(target))
             continue
         try:
             blob = target.read_bytes()
@@ -362,18 +364,29 @@ def parse_audio_file(path: str, data: bytes) -> Iterator[Record]:
     """An audio file (with its transcript sidecar, if any) or a .jsonl of audio-text pairs
     (`{"audio": "<relative path>", "text": "<transcript>"}`). The audio itself is read by the
     audio pool, in blocks; `data` is the bytes of a pairs file (unused for audio files)."""
+    yield from _parse_by_path(path, data, "audio", "transcript")
+
+
+def parse_video_file(path: str, data: bytes) -> Iterator[Record]:
+    """A video file (with its caption sidecar, if any) or a .jsonl of video-text pairs
+    (`{"video": "<relative path>", "text": "<caption>"}`). The video is decoded by its pool
+    (`datasets/video.py`); `data` is the bytes of a pairs file (unused for video files)."""
+    yield from _parse_by_path(path, data, "video", "caption")
+
+
+def _parse_by_path(path: str, data: bytes, kind: str, text_name: str) -> Iterator[Record]:
     if path.lower().endswith(".jsonl"):
-        yield from _parse_pairs(path, data, "audio")
+        yield from _parse_pairs(path, data, kind)
         return
-    transcript, problem = None, None
+    text, problem = None, None
     sidecar = images.caption_sidecar(Path(path))
     if sidecar is not None:
-        transcript, problem = images.read_caption(sidecar)
+        text, problem = images.read_caption(sidecar)
     if problem:
-        yield Record(sample_id(path, "file"), path, "file", "audio", None,
-                     f"{problem.replace('caption', 'transcript')}: {sidecar.name}")
+        yield Record(sample_id(path, "file"), path, "file", kind, None,
+                     f"{problem.replace('caption', text_name)}: {sidecar.name}")
         return
-    yield Record(sample_id(path, "file"), path, "file", "audio", transcript, None, media=path)
+    yield Record(sample_id(path, "file"), path, "file", kind, text, None, media=path)
 
 
 # -- split reading: one big JSON-lines corpus as byte ranges aligned to its lines ------------------
@@ -451,7 +464,7 @@ def parse_text_range(path: str, start: int, stop: int, newlines_before: int) -> 
     yield from _parse_jsonl(path, data, first_line)
 
 
-PARSERS = {"text": parse_text_file, "image": parse_image_file, "audio": parse_audio_file}
+PARSERS = {"text": parse_text_file, "image": parse_image_file, "audio": parse_audio_file, "video": parse_video_file}
 
 
 def parse_file(path: str, modality: str, data: bytes) -> Iterator[Record]:

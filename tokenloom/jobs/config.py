@@ -40,6 +40,7 @@ class DemoConfig:
     utterances: int = 24  # speech files with transcripts
     speech_train_clips: int = 96  # utterances the demo's audio tokenizer trains on
     speech_heldout_clips: int = 6
+    videos: int = 4  # short synthetic clips with a spoken sound track (plus one paired, plus broken ones)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The demo: sample data -> tokenizers -> ingestion -> catalog -> training -> generation, on one recipe.
 
 Everything comes from `samples/` (offline: stdlib docstrings, scikit-image's photos, eSpeak NG
-speech, with odd and broken files of each modality) and the recipe (`configs/demo.toml`, or
+speech, synthetic video clips, with odd and broken files of each modality) and the recipe (`configs/demo.toml`, or
 `configs/tiny.toml` for the tests). The media tokenizers are reused from the home when one was
 trained with the same recipe, else trained briefly; an interrupted demo continues its tokenizer
 training from the run folder of that recipe.
@@ -27,16 +27,18 @@ from tokenloom.tokenizers.registry import neural_tokenizer
 
 
 def write_data(home: Home, cfg: RunConfig) -> dict[str, str]:
-    """The demo's sample corpus under `home/corpus`: text, images and audio (idempotent)."""
+    """The demo's sample corpus under `home/corpus`: text, images, audio and video (idempotent)."""
     from tokenloom.samples.audio import write_sample_audio
     from tokenloom.samples.images import write_sample_images
     from tokenloom.samples.text import write_sample_corpus
+    from tokenloom.samples.video import write_sample_videos
 
     d = cfg.demo
     corpus = write_sample_corpus(home.corpus, max_bytes=d.corpus_bytes)
     images = write_sample_images(corpus / "images", variants=d.image_variants)
     audio = write_sample_audio(corpus / "audio", utterances=d.utterances)
-    return {"corpus": str(corpus), "images": str(images), "audio": str(audio)}
+    videos = write_sample_videos(corpus / "videos", clips=d.videos)
+    return {"corpus": str(corpus), "images": str(images), "audio": str(audio), "videos": str(videos)}
 
 
 def _sample_media(kind: str, cfg: RunConfig) -> tuple[list, list]:

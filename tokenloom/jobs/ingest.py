@@ -6,7 +6,7 @@ ranges for new modalities (`tokenizers.vocab.VocabManifest.extend`), so no two m
 dataset ever share an id and no id changes its meaning between jobs.
 
 Which bundles are needed follows from the inputs: text always; visual when they hold images;
-audio when they hold audio. Each is given by id, path or `latest` (the default), and hashed
+audio when they hold audio; both for video. Each is given by id, path or `latest` (the default), and hashed
 again before any worker loads it, so a damaged bundle stops the job with its name.
 """
 
@@ -19,7 +19,8 @@ from tokenloom.datasets import sources
 from tokenloom.jobs.home import Home, code_version, open_catalog
 from tokenloom.tokenizers.vocab import VocabManifest, manifest_from_bundles
 
-MEDIA_BUNDLE = {"image": "visual", "audio": "audio"}  # modality of the inputs -> tokenizer kind it needs
+# modality of the inputs -> tokenizer kinds it needs (a video: frames and sound)
+MEDIA_BUNDLES = {"image": ("visual",), "audio": ("audio",), "video": ("visual", "audio")}
 
 
 def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg, bundle_refs: dict[str, str | None] | None = None,
@@ -37,7 +38,7 @@ def ingest(home: Home, inputs: Sequence[str | Path], dataset: str, cfg, bundle_r
     catalog = open_catalog(home, cfg)
     files, _ = sources.discover(inputs)
     # the bundles the inputs need, and any named explicitly: a first job pins ranges for all of them
-    kinds = {"text"} | {MEDIA_BUNDLE[f.modality] for f in files if f.modality in MEDIA_BUNDLE}
+    kinds = {"text"} | {kind for f in files for kind in MEDIA_BUNDLES.get(f.modality, ())}
     kinds |= {kind for kind, ref in refs.items() if ref}
     infos = {kind: home.bundle(refs.get(kind), kind) for kind in sorted(kinds)}
     vocab = dataset_vocabulary(home, catalog, dataset, infos)

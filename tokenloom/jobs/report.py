@@ -63,10 +63,11 @@ def _history(catalog, dataset: str, chain) -> list[dict]:
 
 def _samples(home: Home, catalog, dataset: str, snapshot_id: int, per_mix: int, seed: int) -> list:
     """`per_mix` seeded samples of each modality mix, decoded: [(mix, [sample view])]."""
+    from PIL import Image
     from pyiceberg.expressions import In
 
     from tokenloom.jobs.tokenizer import part_decoder
-    from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
+    from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart, VideoPart
 
     index = catalog.scan(dataset, at=snapshot_id, columns=("sample_id", "modalities"))
     ids, mixes = index.column("sample_id").to_pylist(), index.column("modalities").to_pylist()
@@ -87,6 +88,17 @@ def _samples(home: Home, catalog, dataset: str, snapshot_id: int, per_mix: int, 
                     "segments": ", ".join(f"{s['modality']}[{s['start']}:+{s['length']}]"
                                           + (f" grid {tuple(s['grid'])}" if s["grid"] else "") for s in row["segments"])}
             for part in SampleLayout(vocab).disassemble(row["tokens"], row["segments"]):
+                if isinstance(part, VideoPart):  # shown as a film strip of its frames, then its sound
+                    draw = decoders.setdefault(("visual", vocab.bundles.get("visual")),
+                                               part_decoder(home, "visual", vocab.bundles.get("visual"), None))
+                    strip = np.concatenate([draw(ImagePart(codes), None) for codes in part.frames], axis=1)
+                    target = Path(tmp) / f"strip-{row['sample_id']}.png"
+                    Image.fromarray(strip).save(target)
+                    view["parts"].append({"kind": "image", "png": b64(target.read_bytes()),
+                                          "grid": (len(part.frames), *part.frames.shape[1:])})
+                    if not part.audio:
+                        continue
+                    part = AudioPart(np.concatenate(part.audio))
                 kind = {TextPart: "text", ImagePart: "visual", AudioPart: "audio"}[type(part)]
                 key = (kind, vocab.bundles.get(kind))
                 if key not in decoders:

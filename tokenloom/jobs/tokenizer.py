@@ -15,7 +15,7 @@ from tokenloom.datasets import media, sources
 from tokenloom.jobs.home import Home, open_catalog
 from tokenloom.tokenizers import bundle as bundles
 from tokenloom.tokenizers.registry import TrainedBundle, neural_tokenizer
-from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
+from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart, VideoPart
 from tokenloom.tokenizers.text import train_text_tokenizer
 
 
@@ -100,35 +100,62 @@ def decode_sample(home: Home, cfg, dataset: str, sample: str, out: Path, at: str
         raise ValueError(f"dataset {dataset!r} has no sample {sample!r}")
     vocab = home.manifest(rows[0]["vocab_id"])
     parts = SampleLayout(vocab).disassemble(rows[0]["tokens"], rows[0]["segments"])
+    needs = {"text": TextPart in map(type, parts),
+             "visual": any(isinstance(p, (ImagePart, VideoPart)) for p in parts),
+             "audio": any(isinstance(p, AudioPart) or (isinstance(p, VideoPart) and p.audio) for p in parts)}
     decoders = {}
-    for kind, part_type in (("text", TextPart), ("visual", ImagePart), ("audio", AudioPart)):
-        if any(isinstance(p, part_type) for p in parts):
-            if not vocab.bundles.get(kind):
-                raise ValueError(f"sample {sample} has {part_type.__name__}s but its vocabulary names no {kind} bundle")
-            decoders[part_type] = part_decoder(home, kind, vocab.bundles[kind], levels)
+    for kind in (k for k, needed in needs.items() if needed):
+        if not vocab.bundles.get(kind):
+            raise ValueError(f"sample {sample} needs the {kind} tokenizer but its vocabulary names no {kind} bundle")
+        decoders[kind] = part_decoder(home, kind, vocab.bundles[kind], levels)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc: dict = {"dataset": dataset, "sample_id": sample, "images": [], "audio": [], "text": []}
-    counts = {t: sum(isinstance(p, t) for p in parts) for t in (ImagePart, AudioPart)}
+    doc: dict = {"dataset": dataset, "sample_id": sample, "images": [], "audio": [], "videos": [], "text": []}
+    files = {ImagePart: (".png", "images", "visual"), AudioPart: (".wav", "audio", "audio"),
+             VideoPart: (".mp4", "videos", None)}
+    counts = {t: sum(isinstance(p, t) for p in parts) for t in files}
     seen = dict.fromkeys(counts, 0)
     for part in parts:
         if isinstance(part, TextPart):
-            doc["text"].append(decoders[TextPart](part))
+            doc["text"].append(decoders["text"](part))
             continue
         kind = type(part)
-        suffix = ".png" if kind is ImagePart else ".wav"
+        suffix, key, decoder = files[kind]
         stem = out.with_suffix("") if out.suffix.lower() == suffix else out
         target = stem.with_suffix(suffix) if counts[kind] == 1 else stem.with_name(f"{stem.name}-{seen[kind]}{suffix}")
         seen[kind] += 1
-        decoders[kind](part, target)
-        doc["images" if kind is ImagePart else "audio"].append(str(target))
+        if kind is VideoPart:
+            _write_video(part, target, decoders)
+        else:
+            decoders[decoder](part, target)
+        doc[key].append(str(target))
     if not parts:
-        raise ValueError(f"sample {sample} has no image, audio or text to decode")
+        raise ValueError(f"sample {sample} has no image, audio, video or text to decode")
     return doc
 
 
+def _write_video(part: VideoPart, target: Path, decoders: dict) -> None:
+    """A video part as an MP4: frames decoded by the visual tokenizer at their times, the sound
+    intervals decoded by the audio tokenizer and laid at their own times (silence where none)."""
+    import numpy as np
+
+    from tokenloom.datasets.video import write_video
+
+    frames = np.stack([decoders["visual"](ImagePart(codes), None) for codes in part.frames])
+    sound = None
+    if part.audio:
+        rate = decoders["audio"].sample_rate
+        pieces = [(int(ms) * rate // 1000, decoders["audio"](AudioPart(codes), None))
+                  for ms, codes in zip(part.audio_times, part.audio, strict=True) if len(codes)]
+        sound = np.zeros(max(start + len(wav) for start, wav in pieces), dtype=np.float32)
+        for start, wav in pieces:
+            sound[start:start + len(wav)] = wav
+    write_video(target, frames, part.times, sound)
+
+
 def part_decoder(home: Home, kind: str, bundle_id: str, levels: int | None, per_token: bool = False):
-    """A function that writes (or returns) one part decoded with the bundle `bundle_id`; with
+    """A function that writes one part decoded with the bundle `bundle_id` to a file (or, given no
+    file, returns its pixels or samples); with
     `per_token` a text part decodes to the list of its tokens' strings (the report shows them)."""
     path = home.bundle(bundle_id, kind).path
     if kind == "text":
@@ -146,8 +173,14 @@ def part_decoder(home: Home, kind: str, bundle_id: str, levels: int | None, per_
         from tokenloom.tokenizers.visual import load_visual, to_pixels
 
         model = load_visual(path)
-        return lambda part, target: Image.fromarray(to_pixels(model.decode(torch.from_numpy(part.codes)[None])[0])
-                                                    ).save(target, format="PNG")
+
+        def draw(part: ImagePart, target: Path | None):
+            pixels = to_pixels(model.decode(torch.from_numpy(part.codes)[None])[0])
+            if target is None:
+                return pixels
+            Image.fromarray(pixels).save(target, format="PNG")
+
+        return draw
     import soundfile as sf
 
     from tokenloom.tokenizers.audio import load_audio
@@ -156,8 +189,11 @@ def part_decoder(home: Home, kind: str, bundle_id: str, levels: int | None, per_
     if levels is not None and not 1 <= levels <= model.levels:
         raise ValueError(f"--levels must be 1..{model.levels} for this bundle, got {levels}")
 
-    def write(part: AudioPart, target: Path) -> None:
+    def write(part: AudioPart, target: Path | None):
         wav = model.decode(torch.from_numpy(part.codes)[None], levels)[0, 0].clamp(-1, 1).numpy()
+        if target is None:
+            return wav
         sf.write(target, wav, model.cfg.sample_rate, subtype="PCM_16")
 
+    write.sample_rate = model.cfg.sample_rate
     return write

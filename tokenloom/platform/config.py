@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenloom.datasets.filters import FilterConfig
+from tokenloom.datasets.video import VideoConfig
 from tokenloom.platform.guard import FaultConfig
 from tokenloom.platform.services import ServiceConfig
 
@@ -87,7 +88,11 @@ class IngestConfig:
         # scales apart from the text pool
         "image": PoolConfig(resource_label="image_pool", num_gpus=1.0, min_actors=1, max_actors=2, batch_size=16),
         "audio": PoolConfig(resource_label="audio_pool", min_actors=1, max_actors=2, batch_size=4),
+        # video files run on the visual pool's nodes (its label, a GPU per actor where there are GPUs):
+        # frames are the heavy part; the worker also holds the audio tokenizer for the sound track
+        "video": PoolConfig(resource_label="image_pool", num_gpus=1.0, min_actors=1, max_actors=2, batch_size=2),
     })
+    video: VideoConfig = field(default_factory=VideoConfig)  # frame rate, pixel budget, limits (datasets/video.py)
     read_tasks: int = 0  # 0 = let Ray Data choose
     # a JSON-lines text corpus larger than this is read as byte ranges of this size aligned to its
     # lines, one read task each (datasets/sources.py), so one big file feeds every actor; 0: never
@@ -118,6 +123,7 @@ class IngestConfig:
             raise ValueError(f"ingest.text_first must be in [0, 1], got {self.text_first}")
         self.filters.validate()
         self.dedup.validate()
+        self.video.validate()
 
     def pool(self, modality: str) -> PoolConfig:
         if modality not in self.pools:

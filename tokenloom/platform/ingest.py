@@ -243,7 +243,10 @@ def run_ingest(
     # the job reads what its source entries say (content hashes included) and deletes what it names
     manifest_hash = hashlib.sha256(json.dumps([work.entries, work.delete_sources]).encode()).hexdigest()[:16]
     config.validate()
-    has_media = any(m in by_modality for m in ("image", "audio"))
+    has_media = any(m in by_modality for m in ("image", "audio", "video"))
+    if config.pools_mode == "service" and "video" in by_modality:
+        raise ValueError("the long-lived services tokenize text, images and audio, not video: ingest the video "
+                         "files with --pools job")
     # the quality filters and dedup settings decide which samples a job keeps: part of its identity
     identity = hashlib.sha256(json.dumps([manifest_hash, asdict(config.filters), asdict(config.dedup)],
                                          sort_keys=True).encode()).hexdigest()[:16]
@@ -355,16 +358,19 @@ def _run_pools(by_modality: dict[str, list[sources.SourceFile]], config: IngestC
     # what Ray Data measured of each pool's operator (the executed write plan's stats)
     written = getattr(ds, "_write_ds", None)
     out.pools = pool_figures(written.get_stats_summary() if written is not None else None, config.pools, modes,
-                             out.pool_records, out.pool_tokens, out.pool_nodes)
+                             out.pool_records, out.pool_tokens, out.pool_nodes, out.pool_notes)
     return out
 
 
 def pool_worker_kwargs(modality: str, bundle_paths: dict[str, str], vocab: VocabManifest, config: IngestConfig) -> dict:
     """What a `modality` pool worker is built from: the bundles it needs, the manifest, the layout,
     filter and dedup settings (the same for a job's pool and a long-lived service)."""
-    return {"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
-            "vocab": vocab.to_dict(), "text_first": config.text_first,
-            "quality": asdict(config.filters), "dedup": asdict(config.dedup)}
+    kwargs = {"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
+              "vocab": vocab.to_dict(), "text_first": config.text_first,
+              "quality": asdict(config.filters), "dedup": asdict(config.dedup)}
+    if modality == "video":
+        kwargs["video"] = asdict(config.video)
+    return kwargs
 
 
 def shutdown_ray() -> None:

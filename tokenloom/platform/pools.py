@@ -77,13 +77,15 @@ def operator_names(modality: str) -> tuple[str, str, str]:
 
 
 def pool_figures(summary: Any, pools: dict[str, PoolConfig], modes: dict[str, str], records: dict[str, int],
-                 tokens: dict[str, int], nodes: dict[tuple[str, str], int] | None = None) -> dict[str, dict]:
+                 tokens: dict[str, int], nodes: dict[tuple[str, str], int] | None = None,
+                 notes: dict[tuple[str, str], int] | None = None) -> dict[str, dict]:
     """Per pool, what Ray Data measured of its operator (`Dataset.get_stats_summary()` of the job's
     write): records out, the operator's wall time from its first task's start to its last one's end,
     and the summed wall time of its tasks (busy seconds), beside the tokens the sink counted from
     the pool's rows. `busy_fraction` is busy seconds over (wall time x the pool's max actors): how
     much of the pool's capacity the job used while the pool ran. `nodes`: records per Ray node id,
-    where the pool's workers ran (placement by its resource label)."""
+    where the pool's workers ran (placement by its resource label); `notes`: kept samples per note
+    (what a pool dropped from them, e.g. a video's broken sound track)."""
     ops: list[Any] = []
 
     def walk(s: Any) -> None:
@@ -112,6 +114,9 @@ def pool_figures(summary: Any, pools: dict[str, PoolConfig], modes: dict[str, st
             "records_at_sink": int(records.get(modality, 0)),
             "nodes": {node: n for (m, node), n in sorted((nodes or {}).items(), key=str) if m == modality},
         }
+        mine_notes = {note: n for (m, note), n in sorted((notes or {}).items()) if m == modality}
+        if mine_notes:
+            out[modality]["notes"] = mine_notes
     return out
 
 

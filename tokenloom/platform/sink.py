@@ -57,6 +57,7 @@ class TaskOutput:
     pool_records: Counter = field(default_factory=Counter)
     pool_tokens: Counter = field(default_factory=Counter)
     pool_nodes: Counter = field(default_factory=Counter)  # (pool, Ray node id) -> records
+    pool_notes: Counter = field(default_factory=Counter)  # (pool, note class) -> kept samples that carry it
     pools: dict = field(default_factory=dict)  # per-pool figures of the job (platform/pools.pool_figures)
 
 
@@ -102,6 +103,9 @@ class ShardSink(Datasink):
                     out.pool_tokens[pool] += int(pc.sum(pc.filter(lengths, mine)).as_py() or 0)
                     if "node" in block.column_names:
                         out.pool_nodes.update((pool, node) for node in pc.filter(block.column("node"), mine).to_pylist())
+                    if "note" in block.column_names:
+                        out.pool_notes.update((pool, _reason_class(note)) for note in
+                                              pc.filter(block.column("note"), mine).to_pylist() if note)
             good, bad, good_keys, filtered = self._split(block)
             good_parts.append(good)
             bad_parts.append(bad)
@@ -226,6 +230,7 @@ class ShardSink(Datasink):
             total.pool_records.update(part.pool_records)
             total.pool_tokens.update(part.pool_tokens)
             total.pool_nodes.update(part.pool_nodes)
+            total.pool_notes.update(part.pool_notes)
         total.data_files.sort()
         total.quarantine_files.sort()
         total.filtered_files.sort()

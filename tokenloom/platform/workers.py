@@ -21,7 +21,7 @@ from tokenloom.catalog.schema import SHARD_SCHEMA
 from tokenloom.datasets import dedup as keys
 from tokenloom.datasets import filters
 from tokenloom.platform.guard import BatchGuard
-from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
+from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart, VideoPart
 from tokenloom.tokenizers.text import TextTokenizer
 from tokenloom.tokenizers.vocab import VocabManifest
 
@@ -41,6 +41,7 @@ OUT_SCHEMA = pa.schema(
         pa.field("phash", pa.uint64()),  # image records, when near-duplicate images are on
         pa.field("pool", pa.string()),  # the pool that tokenized the record (per-pool figures)
         pa.field("node", pa.string()),  # the Ray node it ran on (placement by pool label)
+        pa.field("note", pa.string()),  # what was dropped from a kept sample (a video's broken sound track)
     ]
 )
 
@@ -94,7 +95,7 @@ def _node_id() -> str | None:
 
 
 def _output(pool: str, batch: pa.Table, token_lists: list, segments: list, errors: list | None = None,
-            marks: _Marks | None = None) -> pa.Table:
+            marks: _Marks | None = None, notes: list | None = None) -> pa.Table:
     marks = marks or _Marks(batch.num_rows)
     return pa.Table.from_arrays(
         [
@@ -107,6 +108,7 @@ def _output(pool: str, batch: pa.Table, token_lists: list, segments: list, error
             *marks.columns(),
             pa.array([pool] * batch.num_rows, pa.string()),
             pa.array([_node_id()] * batch.num_rows, pa.string()),
+            pa.array(notes if notes is not None else [None] * batch.num_rows, pa.string()),
         ],
         schema=OUT_SCHEMA,
     )
@@ -360,4 +362,120 @@ class AudioPoolWorker(TextPoolWorker):
         return _output(self.pool, batch, token_lists, segments, errors, marks)
 
 
-WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker, "audio": AudioPoolWorker}
+class VideoPoolWorker(TextPoolWorker):
+    """Video files with their captions, into one sample each, on the visual pool's resources.
+
+    Frames are sampled at `ingest.video.fps` and tokenized by the visual tokenizer (resized into
+    `max_frame_pixels`, all frames of a video at one grid size, encoded in batches); the sound track
+    is resampled to 16 kHz and tokenized by the RVQ audio tokenizer, and each frame is followed by the
+    audio frames of its interval: `<bos><bov> [frame 0] [its sound] [frame 1] ... <eov> caption <eos>`
+    (`tokenizers.sequence.VideoPart`), or caption first for the `ingest.text_first` share. Unusable
+    files are quarantined with the reason (`datasets/video.py`); a sound track that does not decode
+    is dropped and the sample kept, with a note.
+    """
+
+    needs = ("text", "visual", "audio")
+    pool = "video"
+
+    @_names_pool
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0,
+                 quality: dict | None = None, dedup: dict | None = None, guard: dict | None = None,
+                 video: dict | None = None):
+        import torch
+
+        from tokenloom.datasets.video import VideoConfig
+        from tokenloom.tokenizers.audio import load_audio
+        from tokenloom.tokenizers.visual import load_visual
+
+        super().__init__(bundle_paths, vocab, text_first, quality, dedup, guard)
+        manifest = VocabManifest.from_dict(vocab)
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            torch.set_num_threads(1)
+        self.video = VideoConfig(**(video or {}))
+        self.visual = load_visual(bundle_paths["visual"]).to(self.device)
+        self.audio = load_audio(bundle_paths["audio"]).to(self.device)
+        if self.visual.num_codes > manifest.visual.size:
+            raise ValueError(f"visual bundle has {self.visual.num_codes} codes but the manifest's visual range "
+                             f"holds {manifest.visual.size}")
+        if len(manifest.audio) != self.audio.levels:
+            raise ValueError(f"audio bundle has {self.audio.levels} levels but the manifest has {len(manifest.audio)}")
+        if self.layout.bov is None:
+            raise ValueError("the vocabulary manifest has no <bov>/<eov> specials")
+
+    def _frames_codes(self, pixels: np.ndarray) -> np.ndarray:
+        """[K, H, W, 3] uint8 frames -> [K, h, w] visual codes at the video pixel budget."""
+        from tokenloom.tokenizers.visual import fit_to_budget, to_tensor
+        from tokenloom.tokenizers.visual.model import resize_images
+
+        cfg = self.visual.cfg
+        size = fit_to_budget(pixels.shape[1], pixels.shape[2], self.video.max_frame_pixels, cfg.factor)
+        out = []
+        with self.torch.inference_mode():
+            for start in range(0, len(pixels), 16):
+                x = self.torch.stack([to_tensor(p) for p in pixels[start:start + 16]])
+                out.append(self.visual.encode(resize_images(x, size).to(self.device)).cpu().numpy())
+        return np.concatenate(out)
+
+    def _encode(self, path: str, caption: str | None) -> tuple[VideoPart, str, str | None]:
+        """(the video part, its content hash, a note) of one file; VideoProblem when unusable."""
+        from tokenloom.datasets.video import interval_starts, probe, read_sound, sample_frames
+        from tokenloom.tokenizers.audio import encode_long
+
+        info = probe(path, self.video)
+        frames = sample_frames(path, self.video, info)
+        codes = self._frames_codes(frames.pixels)
+        blocks, note = read_sound(path, self.audio.cfg.chunk_seconds, self.audio.cfg.sample_rate)
+        sound_hash = None
+        if blocks is None:
+            return VideoPart(codes, frames.times), keys.video_hash(frames.pixels, None, caption), note
+        hasher = keys.AudioHasher()
+
+        def hashed(blocks):
+            for block in blocks:
+                hasher.update(block)
+                yield block
+
+        audio = encode_long(self.audio, hashed(blocks))
+        sound_hash = hasher.hexdigest(None)
+        rate = self.audio.cfg.frame_rate
+        starts = interval_starts(frames.times, len(audio), rate)
+        ends = np.r_[starts[1:], len(audio)]
+        part = VideoPart(codes, frames.times, tuple(audio[a:b] for a, b in zip(starts, ends, strict=True)),
+                         np.round(starts * 1000 / rate).astype(np.int64))
+        return part, keys.video_hash(frames.pixels, sound_hash, caption), None
+
+    def tokenize(self, batch: pa.Table) -> pa.Table:
+        from tokenloom.datasets.video import VideoProblem
+
+        errors = batch.column("error").to_pylist()
+        payloads = batch.column("payload").to_pylist()
+        media = batch.column("media").to_pylist()
+        n = batch.num_rows
+        token_lists: list[np.ndarray | None] = [None] * n
+        segments: list[list[dict] | None] = [None] * n
+        notes: list[str | None] = [None] * n
+        videos: dict[int, VideoPart] = {}
+        marks = _Marks(n)
+        for i, err in enumerate(errors):
+            if err is None and media[i] is not None:
+                try:
+                    videos[i], marks.hashes[i], notes[i] = self._encode(media[i], payloads[i])
+                except VideoProblem as exc:
+                    errors[i] = str(exc)
+                    continue
+                marks.modality[i] = "video"
+        good = [i for i, err in enumerate(errors) if err is None]
+        texts = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
+        text_only = [(i, t) for i, t in zip(good, texts, strict=True) if media[i] is None]
+        self._mark_text(marks, [i for i, _ in text_only], [payloads[i] or "" for i, _ in text_only],
+                        [t for _, t in text_only])
+        ids = batch.column("sample_id").to_pylist()
+        for i, text in zip(good, texts, strict=True):
+            parts = [videos[i]] if i in videos else []  # else a text-only record of a pairs file
+            token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], parts, text))
+        return _output(self.pool, batch, token_lists, segments, errors, marks, notes)
+
+
+WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker, "audio": AudioPoolWorker, "video": VideoPoolWorker}

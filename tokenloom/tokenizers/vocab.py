@@ -83,8 +83,8 @@ class VocabManifest:
     def is_prefix_of(self, other: VocabManifest) -> bool:
         """Every id of this manifest means the same token in `other`: same specials, each of this
         manifest's ranges present in `other` at the same place, made by the same bundle."""
-        if self.specials != other.specials:
-            return False
+        if any(other.specials.get(name) != i for name, i in self.specials.items()):
+            return False  # (a newer manifest may name more specials in the reserved block: never a moved id)
         theirs = other.ranges()
         if any(theirs.get(name) != r for name, r in self.ranges().items()):
             return False
@@ -120,11 +120,14 @@ class VocabManifest:
                 audio = tuple(TokenRange(cursor + i * size, cursor + (i + 1) * size) for i in range(levels))
                 cursor = audio[-1].stop
             owned[kind] = info.id
-        if (visual, audio, owned) == (self.visual, self.audio, self.bundles):
+        # specials added to the reserved block since this manifest was pinned (<bov>, <eov>) take their
+        # fixed slots: no existing id moves
+        specials = {**{name: i for i, name in enumerate(SPECIAL_TOKENS)}, **self.specials}
+        if (visual, audio, owned, specials) == (self.visual, self.audio, self.bundles, self.specials):
             return self
         if visual.size == 0:  # keep an absent modality's empty range where it was
             visual = self.visual
-        return VocabManifest(text, visual, audio, dict(self.specials), owned)
+        return VocabManifest(text, visual, audio, specials, owned)
 
     @property
     def pad_id(self) -> int:
