@@ -143,7 +143,10 @@ def pool_stage(records: ray.data.Dataset, modality: str, pool: PoolConfig, worke
                                    batch_format="pyarrow", batch_size=pool.batch_size, num_cpus=0.25,
                                    max_retries=pool.max_restarts)
     if pool_mode(pool, input_bytes) == "tasks":
+        # at most max_actors tasks at once, as the actor pool would: pools that share a label (image
+        # and video both run on the visual nodes) must not take each other's share of it
         return records.map_batches(_task_function(modality), fn_kwargs={"worker_kwargs": worker_kwargs, "guard": guard},
+                                   compute=ray.data.TaskPoolStrategy(size=pool.max_actors),
                                    max_retries=pool.max_restarts, retry_exceptions=False, **common)
     return records.map_batches(
         WORKERS[modality], fn_constructor_kwargs={**worker_kwargs, "guard": guard},

@@ -179,6 +179,25 @@ class TextPoolWorker:
             for (i, _), signature in zip(kept, signatures, strict=True):
                 marks.minhash[i] = signature
 
+    def _samples(self, batch: pa.Table, errors: list, marks: _Marks, media: dict, has_file: list[bool],
+                 notes: list | None = None) -> pa.Table:
+        """A media pool's output rows: each good record's `media` part (by row) with its caption or
+        transcript, laid out by `_layout`; a record without a media file (`has_file` false: a
+        text-only line of a pairs file) becomes a text sample, marked as one."""
+        payloads = batch.column("payload").to_pylist()
+        good = [i for i, err in enumerate(errors) if err is None and marks.filter[i] is None]
+        texts = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
+        text_only = [(i, t) for i, t in zip(good, texts, strict=True) if not has_file[i]]
+        self._mark_text(marks, [i for i, _ in text_only], [payloads[i] or "" for i, _ in text_only],
+                        [t for _, t in text_only])
+        ids = batch.column("sample_id").to_pylist()
+        token_lists: list[np.ndarray | None] = [None] * batch.num_rows
+        segments: list[list[dict] | None] = [None] * batch.num_rows
+        for i, text in zip(good, texts, strict=True):
+            parts = [media[i]] if i in media else []
+            token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], parts, text))
+        return _output(self.pool, batch, token_lists, segments, errors, marks, notes)
+
     def tokenize(self, batch: pa.Table) -> pa.Table:
         errors = batch.column("error").to_pylist()
         payloads = batch.column("payload").to_pylist()
@@ -248,8 +267,6 @@ class ImagePoolWorker(TextPoolWorker):
         errors = batch.column("error").to_pylist()
         payloads = batch.column("payload").to_pylist()
         blobs = batch.column("blob").to_pylist()
-        token_lists: list[np.ndarray | None] = [None] * batch.num_rows
-        segments: list[list[dict] | None] = [None] * batch.num_rows
         pixels: dict[int, np.ndarray] = {}
         marks = _Marks(batch.num_rows)
         for i, err in enumerate(errors):
@@ -268,16 +285,8 @@ class ImagePoolWorker(TextPoolWorker):
                 if self.phash:
                     marks.phash[i] = keys.phash(decoded.pixels)
         codes = self._encode_images(pixels) if pixels else {}
-        good = [i for i, err in enumerate(errors) if err is None and marks.filter[i] is None]
-        captions = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
-        text_only = [(i, c) for i, c in zip(good, captions, strict=True) if blobs[i] is None]
-        self._mark_text(marks, [i for i, _ in text_only], [payloads[i] or "" for i, _ in text_only],
-                        [c for _, c in text_only])
-        ids = batch.column("sample_id").to_pylist()
-        for i, caption in zip(good, captions, strict=True):
-            media = [ImagePart(codes[i])] if i in codes else []  # else a text-only record
-            token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], media, caption))
-        return _output(self.pool, batch, token_lists, segments, errors, marks)
+        return self._samples(batch, errors, marks, {i: ImagePart(c) for i, c in codes.items()},
+                             [b is not None for b in blobs])
 
 
 class AudioPoolWorker(TextPoolWorker):
@@ -335,8 +344,6 @@ class AudioPoolWorker(TextPoolWorker):
         errors = batch.column("error").to_pylist()
         payloads = batch.column("payload").to_pylist()
         media = batch.column("media").to_pylist()
-        token_lists: list[np.ndarray | None] = [None] * batch.num_rows
-        segments: list[list[dict] | None] = [None] * batch.num_rows
         codes: dict[int, np.ndarray] = {}
         marks = _Marks(batch.num_rows)
         for i, err in enumerate(errors):
@@ -350,16 +357,8 @@ class AudioPoolWorker(TextPoolWorker):
                 failed = filters.first_failure("audio", measures, self.quality)
                 if failed:
                     marks.filter[i], marks.reason[i] = failed
-        good = [i for i, err in enumerate(errors) if err is None and marks.filter[i] is None]
-        texts = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
-        text_only = [(i, t) for i, t in zip(good, texts, strict=True) if media[i] is None]
-        self._mark_text(marks, [i for i, _ in text_only], [payloads[i] or "" for i, _ in text_only],
-                        [t for _, t in text_only])
-        ids = batch.column("sample_id").to_pylist()
-        for i, text in zip(good, texts, strict=True):
-            parts = [AudioPart(codes[i])] if i in codes else []  # else a text-only record
-            token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], parts, text))
-        return _output(self.pool, batch, token_lists, segments, errors, marks)
+        return self._samples(batch, errors, marks, {i: AudioPart(c) for i, c in codes.items()},
+                             [m is not None for m in media])
 
 
 class VideoPoolWorker(TextPoolWorker):
@@ -453,8 +452,6 @@ class VideoPoolWorker(TextPoolWorker):
         payloads = batch.column("payload").to_pylist()
         media = batch.column("media").to_pylist()
         n = batch.num_rows
-        token_lists: list[np.ndarray | None] = [None] * n
-        segments: list[list[dict] | None] = [None] * n
         notes: list[str | None] = [None] * n
         videos: dict[int, VideoPart] = {}
         marks = _Marks(n)
@@ -466,16 +463,7 @@ class VideoPoolWorker(TextPoolWorker):
                     errors[i] = str(exc)
                     continue
                 marks.modality[i] = "video"
-        good = [i for i, err in enumerate(errors) if err is None]
-        texts = self.tokenizer.encode_batch([payloads[i] or "" for i in good]) if good else []
-        text_only = [(i, t) for i, t in zip(good, texts, strict=True) if media[i] is None]
-        self._mark_text(marks, [i for i, _ in text_only], [payloads[i] or "" for i, _ in text_only],
-                        [t for _, t in text_only])
-        ids = batch.column("sample_id").to_pylist()
-        for i, text in zip(good, texts, strict=True):
-            parts = [videos[i]] if i in videos else []  # else a text-only record of a pairs file
-            token_lists[i], segments[i] = self.layout.assemble(self._layout(ids[i], parts, text))
-        return _output(self.pool, batch, token_lists, segments, errors, marks, notes)
+        return self._samples(batch, errors, marks, videos, [m is not None for m in media], notes)
 
 
 WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker, "audio": AudioPoolWorker, "video": VideoPoolWorker}
