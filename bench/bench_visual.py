@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from side_by_side import run_variants  # noqa: E402
 
 
 def variant_config(name: str, args):
@@ -90,45 +92,43 @@ def main() -> None:
 
     from tokenloom.samples.images import sample_photos
     from tokenloom.tokenizers.visual import evaluate, load_visual
-    from tokenloom.tokenizers.visual.train import heldout_crops
+    from tokenloom.tokenizers.visual.train import heldout_crops, prepare
 
     variants = args.variants.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in ("minutes", "threads", "image_size", "factor", "batch_size", "out")]
-    pending, running = list(variants), []
-    print(f"training {variants} for {args.minutes} min each, {args.parallel} at a time, {args.threads} thread(s) each")
-    while pending or running:
-        while pending and len(running) < args.parallel:
-            name = pending.pop(0)
-            running.append((name, subprocess.Popen([sys.executable, __file__, "--worker", name, *forwarded])))
-        time.sleep(2)
-        for item in list(running):
-            if item[1].poll() is not None:
-                running.remove(item)
-                if item[1].returncode:
-                    raise SystemExit(f"variant {item[0]} failed with status {item[1].returncode}")
+    run_variants(__file__, variants, args.parallel, forwarded, args.minutes, args.threads)
 
     torch.set_num_threads(1)
     cfg0 = variant_config(variants[0], args)
     eval_set = heldout_crops(list(sample_photos("heldout").values()), cfg0.eval_crops, cfg0.image_size, cfg0.seed + 1)
+    held = sample_photos("heldout")
+    whole_set = [prepare(p, cfg0) for p in held.values()]  # whole photographs at the encode-time pixel budget
     rows = []
     for name in variants:
         doc = json.loads((out / f"{name}.json").read_text())
         model = load_visual(doc["bundle"])
         ev = evaluate(model, eval_set, grid_path=out / f"grid-{name}.png")
+        whole = evaluate(model, whole_set, list(held), grid_path=out / f"whole-{name}.png")
         rows.append({**doc, "psnr": ev.psnr, "ssim": ev.ssim, "usage": ev.usage, "perplexity": ev.perplexity,
-                     "num_codes": ev.num_codes, "encode_images_per_s_per_core": encode_speed(model, args.image_size)})
+                     "num_codes": ev.num_codes, "encode_images_per_s_per_core": encode_speed(model, args.image_size),
+                     "whole": {"psnr": whole.psnr, "ssim": whole.ssim, "usage": whole.usage, "codes": whole.codes,
+                               "perplexity": whole.perplexity}})
     (out / "results.json").write_text(json.dumps(rows, indent=2))
     base = rows[0]
-    print(f"\nheld-out: {len(eval_set)} crops of {', '.join(sample_photos('heldout'))} at {args.image_size}x"
-          f"{args.image_size}, factor {args.factor}; {args.minutes} min training, {args.threads} thread(s) each\n")
-    print("| variant | params | steps | train img/s | PSNR dB | SSIM | usage | perplexity | encode img/s/core |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\nheld-out: {len(eval_set)} crops of {', '.join(held)} at {args.image_size}x"
+          f"{args.image_size}, and the whole photographs at {' and '.join('x'.join(map(str, w.shape[1:])) for w in whole_set)}"
+          f", factor {args.factor}; {args.minutes} min training, {args.threads} thread(s) each\n")
+    print("| variant | params | steps | train img/s | PSNR dB | SSIM | usage | perplexity | whole photos: PSNR dB | "
+          "SSIM | usage | encode img/s/core |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        w = r["whole"]
         print(f"| {r['variant']} | {r['parameters']:,} | {r['steps']} | {r['train_images_per_second']:.1f} | "
               f"{r['psnr']:.2f} | {r['ssim']:.3f} | {r['usage']:.1%} of {r['num_codes']} | {r['perplexity']:.0f} | "
+              f"{w['psnr']:.2f} | {w['ssim']:.3f} | {w['usage']:.1%} ({w['codes']} codes) | "
               f"{r['encode_images_per_s_per_core']:.1f} |")
     for r in rows[1:]:
         print(f"{base['variant']} vs {r['variant']}: PSNR {base['psnr'] - r['psnr']:+.2f} dB, "

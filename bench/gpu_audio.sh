@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The RVQ audio tokenizer on a GPU machine, in under 5 minutes: tests/test_audio.py, then encode
-# throughput (seconds of audio per second, bf16 and fp32, batch of 16 x 10 s) and a 2-minute
-# training run with its throughput and held-out SI-SDR. Output goes to $OUT (default bench/out/gpu).
+# The RVQ audio tokenizer on a GPU machine, in under 10 minutes: tests/test_audio.py, then encode
+# throughput (seconds of audio per second, bf16 and fp32, batch of 16 x 10 s) and three 4-minute
+# training recipes side by side (bench_audio.py: held-out SI-SDR per level on speech and music).
+# Output goes to $OUT (default bench/out/gpu).
 #
 #   bash bench/gpu_audio.sh            # PYTHON=/path/to/python to choose the interpreter
 source "$(dirname "$0")/gpu_common.sh"
@@ -11,8 +12,7 @@ timeout 240 "$PY" - "$OUT_DIR" <<'PY' 2>&1 | tee "$OUT_DIR/audio-bench.txt" || s
 import json, sys, time
 from pathlib import Path
 import torch
-from tokenloom.samples.audio import sound_clips, speech_clips
-from tokenloom.tokenizers.audio import AudioTokenizer, AudioTokenizerConfig, train_audio
+from tokenloom.tokenizers.audio import AudioTokenizer, AudioTokenizerConfig
 
 out = Path(sys.argv[1])
 model = AudioTokenizer(AudioTokenizerConfig()).cuda()
@@ -29,15 +29,13 @@ for dtype in (torch.bfloat16, torch.float32):
     rate = 16 * 10 * 5 / (time.perf_counter() - t)
     rows.append({"dtype": str(dtype), "audio_seconds_per_second": rate})
     print(f"encode {dtype}: {rate:,.0f} s of audio per second", flush=True)
-cfg = AudioTokenizerConfig(max_minutes=2.0, batch_size=64, eval_every_s=60.0, checkpoint_every_s=1e9)
-train = [w for w, _ in speech_clips("train")] + sound_clips()
-held = [w for w, _ in speech_clips("heldout")]
-torch.cuda.reset_peak_memory_stats()
-r = train_audio(train, held, cfg, out / "audio-bundles", out / "audio-train", progress=False, device="cuda")
-peak = torch.cuda.max_memory_allocated() / 2**20
-print(f"training 2 min, batch 64, bf16: {r.steps} steps, {r.seconds_of_audio_per_second:.0f} s audio/s, "
-      f"held-out SI-SDR {r.heldout['si_sdr']:.2f} dB, peak {peak:.0f} MB", flush=True)
-(out / "audio.json").write_text(json.dumps({"encode": rows, "steps": r.steps, "heldout": r.heldout, "peak_mb": peak},
-                                           indent=2, default=str))
+(out / "audio.json").write_text(json.dumps({"encode": rows}, indent=2, default=str))
 PY
+# the recipes of bench/RESULTS.md (#18) at a GPU's batch, side by side on the one GPU: the plain
+# recipe, the balanced one and the balanced one with the STFT discriminator (full width, all
+# three scales, whole segments: the GPU affords what the CPU run narrowed), held out on speech
+# in an unseen voice and on unseen music
+timeout 540 "$PY" bench/bench_audio.py --minutes 4 --parallel 3 --threads 4 --out "$OUT_DIR/audio-recipes" \
+  --variants "base:batch_size=64:bf16_autocast=true,bal:batch_size=64:bf16_autocast=true:balancer=true:l1_weight=0.005:sisdr_weight=1,gan:batch_size=64:bf16_autocast=true:balancer=true:l1_weight=0.005:sisdr_weight=1:adversarial_weight=1:feature_weight=1:disc_channels=32:disc_seconds=1.0" \
+  2>&1 | grep -v WARNING | tee "$OUT_DIR/audio-recipes.txt" || status=1
 exit $status

@@ -150,3 +150,80 @@ def test_speech_is_synthesized_offline():
     assert np.abs(a.astype(np.float32)).max() > 1000, "audible"
     with pytest.raises(ValueError, match="no voice"):
         synthesize("x", "no-such-voice")
+
+
+def test_balancer_gives_each_loss_its_share_of_the_gradient():
+    from tokenloom.tokenizers.audio.adversarial import Balancer
+
+    y = torch.randn(3, 1, 50, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    target = torch.randn(3, 1, 50, generator=torch.Generator().manual_seed(1))
+    small = 1e-3 * (y - target).abs().mean()  # gradient norm ~1e-3 / sqrt(150) per item
+    large = 50.0 * (y - target).pow(2).mean()  # a loss on another scale entirely
+    balancer = Balancer({"small": 3.0, "large": 1.0}, decay=0.0)  # decay 0: the average is this step's norm
+    surrogate, norms = balancer.surrogate({"small": small, "large": large}, y)
+    (grad,) = torch.autograd.grad(surrogate, [y])
+    g_small, g_large = [torch.autograd.grad(x, [y], retain_graph=True)[0] for x in (small, large)]
+    per_item = lambda g: float(g.flatten(1).norm(dim=1).mean())  # noqa: E731
+    expected = 0.75 * g_small / per_item(g_small) + 0.25 * g_large / per_item(g_large)
+    assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-7)
+    assert norms["gradnorm_small"] == pytest.approx(per_item(g_small))
+    # a loss's share does not depend on its scale: 1000x the small loss, the same gradient
+    again, _ = Balancer({"small": 3.0, "large": 1.0}, decay=0.0).surrogate({"small": 1000 * small, "large": large}, y)
+    assert torch.allclose(torch.autograd.grad(again, [y])[0], grad, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="no balancer weight"):
+        balancer.surrogate({"other": small}, y)
+
+
+def test_discriminator_hinge_and_feature_matching():
+    from tokenloom.tokenizers.audio.adversarial import (
+        MultiScaleSTFTDiscriminator,
+        discriminator_loss,
+        generator_losses,
+    )
+
+    torch.manual_seed(0)
+    disc = MultiScaleSTFTDiscriminator((256, 64), channels=4)
+    real = torch.randn(2, 1, 4000) * 0.1
+    out = disc(real)
+    assert len(out) == 2 and all(len(maps) == 5 for _, maps in out)
+    logits, maps = out[0]
+    assert logits.shape[:2] == (2, 1) and maps[1].shape[-1] == (256 // 2 + 1 + 1) // 2  # stride 2 over bins
+    adversarial, matching = generator_losses(out, out)
+    assert float(matching.detach()) == 0.0, "identical audio matches its own features exactly"
+    # hinge: logits far on the right side of the margin cost nothing
+    assert float(discriminator_loss([(torch.full((1, 1), 2.0), [])], [(torch.full((1, 1), -2.0), [])])) == 0.0
+    assert float(discriminator_loss([(torch.zeros(1, 1), [])], [(torch.zeros(1, 1), [])])) == 2.0
+    fooled = generator_losses([(torch.zeros(1, 1), [])], [(torch.full((1, 1), 3.0), [])])[0]
+    assert float(fooled) == 0.0
+
+
+def test_adversarial_balanced_training_resumes_exactly(tmp_path, speech):
+    cfg = replace(TINY, steps=5, balancer=True, adversarial_weight=1.0, feature_weight=1.0, disc_channels=4,
+                  disc_scales=(256, 128))
+    train, held = speech
+    store = tmp_path / "bundles"
+    full = train_audio(train, held, cfg, store, tmp_path / "full", progress=False, device="cpu")
+    lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r]
+    assert len(steps) == 5 and all({"disc", "adversarial", "feature", "gradnorm_mel"} <= set(r) for r in steps)
+    run = tmp_path / "run"
+    train_audio(train, held, cfg, store, run, progress=False, stop_after=2, device="cpu")
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert set(ckpt["companions"]) == {"discriminator", "discriminator_optimizer", "balancer"}
+    resumed = train_audio(train, held, cfg, store, run, resume=True, progress=False, device="cpu")
+    assert resumed.bundle.id == full.bundle.id, "discriminator, its optimizer and the balancer resume exactly"
+    with pytest.raises(ValueError, match="another config"):
+        train_audio(train, held, replace(cfg, balancer=False), store, run, resume=True, progress=False,
+                    device="cpu")
+
+
+def test_music_clips_are_deterministic_and_split():
+    from tokenloom.samples.audio import music_clips
+
+    a, b = music_clips("heldout", 2, seconds=1.0), music_clips("heldout", 2, seconds=1.0)
+    train = music_clips("train", 2, seconds=1.0)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)), "the same clips on every run"
+    assert all(not np.array_equal(x, y) for x in a for y in train), "held-out music is never trained on"
+    assert all(x.dtype == np.float32 and len(x) == 16_000 and 0.5 < np.abs(x).max() <= 0.8 for x in a + train)
+    with pytest.raises(ValueError, match="split"):
+        music_clips("test")

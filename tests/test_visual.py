@@ -41,7 +41,7 @@ def photos():
     return [train["astronaut"], train["rocket"], train["camera"]], list(sample_photos("heldout").values())
 
 
-@pytest.mark.parametrize("quantizer", ["fsq", "vq", "lfq"])
+@pytest.mark.parametrize("quantizer", ["fsq", "vq", "lfq", "simvq"])
 @pytest.mark.parametrize("arch", ["dual", "cnn"])
 def test_encode_decode_shapes_and_determinism(arch, quantizer):
     torch.manual_seed(0)

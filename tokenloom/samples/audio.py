@@ -130,6 +130,66 @@ def sound_clips() -> list[np.ndarray]:
     ]
 
 
+_SCALE = (0, 2, 4, 5, 7, 9, 11)  # major scale, semitones above the key
+
+
+def _pluck(freq: float, samples: int, rng: np.random.Generator, rate: int) -> np.ndarray:
+    """Karplus-Strong plucked string: a noise burst through a delay line with an averaging filter."""
+    period = max(2, int(round(rate / freq)))
+    line = rng.uniform(-1, 1, period)
+    out = np.empty(samples)
+    for start in range(0, samples, period):  # one delay-line pass per period, vectorized
+        n = min(period, samples - start)
+        out[start:start + n] = line[:n]
+        line = 0.996 * 0.5 * (line + np.roll(line, -1))
+    return out
+
+
+def _organ(freq: float, samples: int, rate: int) -> np.ndarray:
+    t = np.arange(samples) / rate
+    partials = sum(np.sin(2 * np.pi * freq * h * t) / h**1.5 for h in (1, 2, 3, 4, 6))
+    attack = np.minimum(1.0, t / 0.03)
+    return partials * attack * np.exp(-1.5 * t)
+
+
+def music_clips(split: str = "train", count: int | None = None, seconds: float = 4.0,
+                rate: int = 16_000) -> list[np.ndarray]:
+    """Synthetic music at 16 kHz: a melody on a plucked string or an organ-like timbre over
+    chords, with a noise-burst snare on the beat, in a random key and tempo. train and heldout
+    draw from disjoint seeds (heldout: melodies, keys and tempi never trained on)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    count = count or (24 if split == "train" else 6)
+    base_seed = 1000 if split == "train" else 9000
+    out = []
+    for i in range(count):
+        rng = np.random.default_rng(base_seed + i)
+        total = int(seconds * rate)
+        mix = np.zeros(total)
+        key = 48 + int(rng.integers(0, 12))  # MIDI note of the key
+        beat = int(rate * 60 / rng.uniform(80, 160))
+        lead = "pluck" if (i % 2 == 0) else "organ"
+        degree = int(rng.integers(0, 7))
+        for start in range(0, total, beat):  # melody: a random walk on the scale, one note per beat
+            degree = int(np.clip(degree + rng.integers(-2, 3), 0, 13))
+            note = key + 12 + _SCALE[degree % 7] + 12 * (degree // 7)
+            freq = 440.0 * 2 ** ((note - 69) / 12)
+            n = min(beat * 2, total - start)
+            tone_ = _pluck(freq, n, rng, rate) if lead == "pluck" else _organ(freq, n, rate)
+            mix[start:start + n] += 0.35 * tone_
+        for start in range(0, total, beat * 4):  # chords on the bar: root, third, fifth
+            root = key + _SCALE[int(rng.integers(0, 7))]
+            n = min(beat * 4, total - start)
+            for step in (0, 4, 7):
+                mix[start:start + n] += 0.12 * _organ(440.0 * 2 ** ((root + step - 69) / 12), n, rate)
+        for start in range(beat, total, beat * 2):  # snare on beats 2 and 4
+            n = min(int(0.12 * rate), total - start)
+            mix[start:start + n] += 0.15 * rng.standard_normal(n) * np.exp(-np.arange(n) / (0.03 * rate))
+        fade = np.minimum(1.0, np.minimum(np.arange(total), total - np.arange(total)) / (0.02 * rate))
+        out.append((0.8 * mix * fade / (np.abs(mix).max() + 1e-9)).astype(np.float32))
+    return out
+
+
 def write_sample_audio(out_dir: Path, with_bad_inputs: bool = True, utterances: int = 24) -> Path:
     """Write audio-transcript pairs and other sounds under `out_dir` (idempotent); return it.
 

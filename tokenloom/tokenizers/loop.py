@@ -63,13 +63,17 @@ def run_training(model: torch.nn.Module, cfg, run_dir: Path, sampler: Sampler,
                  loss_fn: Callable[[object], tuple[torch.Tensor, dict]],
                  evaluate: Callable[[str], dict], *, device: torch.device, identity: dict | None = None,
                  resume: bool = False, progress: bool = True, stop_after: int = 0, desc: str = "training",
-                 to_device: Callable[[object, torch.device], object] | None = None) -> LoopResult:
+                 to_device: Callable[[object, torch.device], object] | None = None,
+                 companions: dict | None = None) -> LoopResult:
     """Train `model` in place until `cfg.steps` or `cfg.max_minutes`, then evaluate once more.
 
     `loss_fn(batch)` returns (loss, scalars to log); `evaluate(tag)` returns scalars and may
     write pictures named by `tag` ("step000120", "final"). `identity` holds whatever else
     must match for a resume (e.g. the architecture variant). `stop_after` ends this invocation
     after that many steps, as an interruption would, without changing the schedule.
+    `companions` are other stateful parts of the run that `loss_fn` updates itself (e.g. a
+    discriminator and its optimizer, a loss balancer's averages): anything with
+    `state_dict()`/`load_state_dict()`, saved in every checkpoint and restored on resume.
     """
     from tqdm.auto import tqdm
 
@@ -90,6 +94,12 @@ def run_training(model: torch.nn.Module, cfg, run_dir: Path, sampler: Sampler,
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         sampler.load_state(state["sampler"].cpu())
+        saved = state.get("companions", {})
+        if set(saved) != set(companions or {}):
+            raise ValueError(f"checkpoint in {run_dir} holds {sorted(saved)} beside the model, this run needs "
+                             f"{sorted(companions or {})}; use a new run directory")
+        for name, part in (companions or {}).items():
+            part.load_state_dict(saved[name])
         step, elapsed = int(state["step"]), float(state["elapsed"])
         _truncate_metrics(run_dir / "metrics.jsonl", step)
     budget = cfg.max_minutes * 60.0
@@ -99,7 +109,8 @@ def run_training(model: torch.nn.Module, cfg, run_dir: Path, sampler: Sampler,
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "sampler": sampler.state(),
                     "step": step, "elapsed": elapsed, "config": json.loads(json.dumps(asdict(cfg))),
-                    "identity": identity}, tmp)
+                    "identity": identity,
+                    "companions": {name: part.state_dict() for name, part in (companions or {}).items()}}, tmp)
         tmp.replace(ckpt_path)
 
     metrics = (run_dir / "metrics.jsonl").open("a")

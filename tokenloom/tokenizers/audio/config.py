@@ -31,6 +31,20 @@ class AudioTokenizerConfig:
     l1_weight: float = 1.0  # time-domain L1 (weights the waveform match SI-SDR measures)
     mel_weight: float = 1.0  # multi-scale log-mel distance
     sisdr_weight: float = 0.3  # negative SI-SDR (dB / 10) of segments with sound: teaches phase, which L1 + mel do not (bench/RESULTS.md)
+    # EnCodec's loss balancer: the weights above (and the two below) become each loss's share of
+    # the gradient at the decoded waveform, whatever the loss's scale (tokenizers/audio/adversarial.py)
+    balancer: bool = False
+    # moving average of each gradient norm (EnCodec: 0.999); 0 normalizes by this step's norm: the
+    # SI-SDR gradient's norm swings 4-130 from step to step, and an average dominated by its peaks
+    # left it a few percent of the gradient (bench/RESULTS.md)
+    balancer_decay: float = 0.0
+    # multi-scale STFT discriminator (EnCodec/DAC); off when both weights are 0
+    adversarial_weight: float = 0.0  # hinge loss of the decoder against the discriminator
+    feature_weight: float = 0.0  # feature matching on the discriminator's maps
+    disc_channels: int = 16
+    disc_scales: tuple[int, ...] = (1024, 512, 256)  # STFT sizes, hop a quarter of each
+    disc_lr: float = 3e-4
+    disc_seconds: float = 0.25  # the discriminator sees one random window this long of each segment (its cost on a CPU)
     steps: int = 1_000_000  # upper bound; max_minutes usually ends training first
     max_minutes: float = 10.0
     eval_every_s: float = 120.0
@@ -51,10 +65,25 @@ class AudioTokenizerConfig:
             raise ValueError("audio_tokenizer.levels must be 1..32 and codebook_size >= 2")
         if self.segment_seconds * self.frame_rate < 2 or self.chunk_seconds * self.frame_rate < 1:
             raise ValueError("audio_tokenizer.segment_seconds and chunk_seconds must hold whole frames")
-        for name in ("channels", "max_channels"):
+        if min(self.adversarial_weight, self.feature_weight, self.l1_weight, self.mel_weight, self.sisdr_weight) < 0:
+            raise ValueError("audio_tokenizer loss weights must be non-negative")
+        if self.balancer and not (self.l1_weight + self.mel_weight + self.sisdr_weight + self.adversarial_weight
+                                  + self.feature_weight) > 0:
+            raise ValueError("audio_tokenizer.balancer needs at least one positive loss weight")
+        if not 0 <= self.balancer_decay < 1:
+            raise ValueError(f"audio_tokenizer.balancer_decay must be in [0, 1), got {self.balancer_decay}")
+        if any(n < 16 or n & (n - 1) for n in self.disc_scales) or not self.disc_scales:
+            raise ValueError(f"audio_tokenizer.disc_scales must be powers of two >= 16, got {self.disc_scales}")
+        if self.adversarial and not 0 < self.disc_seconds <= self.segment_seconds:
+            raise ValueError("audio_tokenizer.disc_seconds must be positive and at most segment_seconds")
+        for name in ("channels", "max_channels", "disc_channels"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"audio_tokenizer.{name} must be positive, got {value}")
+
+    @property
+    def adversarial(self) -> bool:
+        return bool(self.adversarial_weight or self.feature_weight)
 
     @property
     def strides(self) -> tuple[int, ...]:

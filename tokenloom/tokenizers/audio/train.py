@@ -4,7 +4,8 @@ Training runs on random segments of the training clips for a wall-clock budget (
 loop in `tokenizers/loop.py`: cosine schedule, checkpoints, exact resume, held-out
 evaluations). Losses: multi-scale log-mel distance (torchaudio), time-domain L1, the RVQ
 commitment loss and negative SI-SDR (phase: without it the waveform never lined up within a
-CPU budget); no adversarial loss (see bench/RESULTS.md). Evaluation decodes held-out clips
+CPU budget); optionally EnCodec's loss balancer and a multi-scale STFT discriminator with
+feature matching (`adversarial.py`; measured in bench/RESULTS.md). Evaluation decodes held-out clips
 from the first k levels for k = 1, 2, 4, ..., L and reports SI-SDR (`tokenizers.metrics`), mel
 distance, bitrate and codebook usage per level, with a PNG of spectrograms and WAV files.
 """
@@ -21,6 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.tokenizers import bundle
+from tokenloom.tokenizers.audio.adversarial import (
+    Balancer,
+    MultiScaleSTFTDiscriminator,
+    discriminator_loss,
+    generator_losses,
+)
 from tokenloom.tokenizers.audio.config import AudioTokenizerConfig
 from tokenloom.tokenizers.audio.model import AudioTokenizer, MultiScaleMel, parameter_count
 from tokenloom.tokenizers.loop import run_training
@@ -239,18 +246,49 @@ def train_audio(train_clips: list[np.ndarray], heldout: list[np.ndarray], cfg: A
     eval_set = heldout_clips(heldout, cfg.eval_seconds, cfg.sample_rate)
     mel = MultiScaleMel(cfg.sample_rate).to(device)
     summaries: dict[str, dict] = {}
+    companions: dict = {}
+    discriminator = None
+    if cfg.adversarial:
+        discriminator = MultiScaleSTFTDiscriminator(tuple(cfg.disc_scales), cfg.disc_channels).to(device)
+        disc_optimizer = torch.optim.AdamW(discriminator.parameters(), lr=cfg.disc_lr, betas=(0.5, 0.9))
+        companions.update(discriminator=discriminator, discriminator_optimizer=disc_optimizer)
+    weights = {"l1": cfg.l1_weight, "mel": cfg.mel_weight, "si_sdr": cfg.sisdr_weight,
+               "adversarial": cfg.adversarial_weight, "feature": cfg.feature_weight}
+    balancer = None
+    if cfg.balancer:
+        balancer = Balancer(weights, decay=cfg.balancer_decay)
+        companions["balancer"] = balancer
 
     def loss_fn(batch: torch.Tensor) -> tuple[torch.Tensor, dict]:
         recon, _, commit = model(batch)
         recon = recon.float()[..., :batch.shape[-1]]
-        l1, mel_distance = F.l1_loss(recon, batch), mel(recon, batch)
-        loss = cfg.l1_weight * l1 + cfg.mel_weight * mel_distance + commit
-        logged = {"l1": float(l1.detach()), "mel": float(mel_distance.detach())}
+        losses = {"l1": F.l1_loss(recon, batch), "mel": mel(recon, batch)}
         if cfg.sisdr_weight:
-            sdr = si_sdr_per_item(recon, batch)
-            loss = loss - cfg.sisdr_weight * sdr / 10
-            logged["si_sdr"] = float(sdr.detach())
-        return loss, logged
+            losses["si_sdr"] = -si_sdr_per_item(recon, batch) / 10  # negative dB / 10
+        if discriminator is not None:
+            # one random window of every segment (the same for the original and the decoded audio)
+            width = min(batch.shape[-1], int(cfg.disc_seconds * cfg.sample_rate))
+            start = int(torch.randint(0, batch.shape[-1] - width + 1, (1,)))
+            real, fake = batch[..., start:start + width], recon[..., start:start + width]
+            discriminator.requires_grad_(True)  # one discriminator step on this batch's decoded audio
+            d_loss = discriminator_loss(discriminator(real), discriminator(fake.detach()))
+            disc_optimizer.zero_grad(set_to_none=True)
+            d_loss.backward()
+            disc_optimizer.step()
+            discriminator.requires_grad_(False)  # the decoder's step does not train the discriminator
+            losses["adversarial"], losses["feature"] = generator_losses(discriminator(real), discriminator(fake))
+        weighted = sum(weights[k] * v for k, v in losses.items())
+        logged = {k: float(v.detach()) for k, v in losses.items()}
+        if "si_sdr" in logged:
+            logged["si_sdr"] = -10 * logged["si_sdr"]  # dB, as evaluations report it
+        if discriminator is not None:
+            logged["disc"] = float(d_loss.detach())
+        if balancer is None:
+            return weighted + commit, logged
+        surrogate, norms = balancer.surrogate({k: v for k, v in losses.items() if weights[k]}, recon)
+        logged.update(norms)
+        # the gradient is the balanced one; the value logged is the weighted sum of the losses
+        return surrogate - surrogate.detach() + weighted.detach() + commit, logged
 
     def evaluate_fn(tag: str) -> dict:
         ev = evaluate(model, eval_set, run_dir / f"eval-{tag}")
@@ -259,7 +297,8 @@ def train_audio(train_clips: list[np.ndarray], heldout: list[np.ndarray], cfg: A
                 **{f"si_sdr_k{k}": v["si_sdr"] for k, v in ev.by_levels.items()}}
 
     out = run_training(model, cfg, run_dir, sampler, loss_fn, evaluate_fn, device=device, resume=resume,
-                       progress=progress, stop_after=stop_after, desc=f"audio tokenizer ({cfg.levels} levels)")
+                       progress=progress, stop_after=stop_after, desc=f"audio tokenizer ({cfg.levels} levels)",
+                       companions=companions)
     final = summaries["final"]
     heldout_doc = {k: v for k, v in final.items() if k != "files"}
     info = publish_bundle(model, store, heldout_doc)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 ARCHS = ("dual", "cnn")
-QUANTIZERS = ("fsq", "vq", "lfq")
+QUANTIZERS = ("fsq", "vq", "lfq", "simvq")
 
 
 @dataclass
@@ -24,11 +24,15 @@ class VisualTokenizerConfig:
     fusion_heads: int = 4
     quantizer: str = "vq"  # chosen by measurement over fsq and lfq: see bench/RESULTS.md
     fsq_levels: tuple[int, int, int, int] = (8, 5, 5, 5)  # 1000 codes
-    codebook_size: int = 1024  # vq / lfq only (lfq: a power of two)
+    codebook_size: int = 1024  # vq / lfq / simvq (lfq: a power of two)
     vq_code_dim: int = 8  # vq: low-dimensional code lookup keeps more codes alive
     vq_cosine: bool = False  # vq: l2-normalized codes and inputs (cosine similarity lookup)
     vq_decay: float = 0.99  # vq: EMA decay of the codebook
     vq_dead_code: int = 2  # vq: codes whose EMA cluster size falls below this are re-seeded from the batch
+    # simvq (Zhu et al. 2024, vector-quantize-pytorch's SimVQ): a frozen random codebook through one
+    # learned linear map, so every code moves with every update (no dead codes by construction);
+    # the rotation trick (Fifty et al. 2024) carries gradients through the quantizer
+    simvq_code_dim: int = 0  # frozen codebook width; 0 = latent_channels
     # training
     image_size: int = 128  # square training crops
     max_pixels: int = 256 * 256  # encode-time pixel budget; aspect ratio kept

@@ -148,12 +148,15 @@ class Decoder(nn.Module):
 
 
 def _make_quantizer(cfg: VisualTokenizerConfig) -> nn.Module:
-    from vector_quantize_pytorch import FSQ, LFQ, VectorQuantize
+    from vector_quantize_pytorch import FSQ, LFQ, SimVQ, VectorQuantize
 
     if cfg.quantizer == "fsq":
         return FSQ(levels=list(cfg.fsq_levels), dim=cfg.latent_channels)
     if cfg.quantizer == "lfq":
         return LFQ(dim=cfg.latent_channels, codebook_size=cfg.codebook_size, entropy_loss_weight=0.1)
+    if cfg.quantizer == "simvq":
+        return SimVQ(dim=cfg.latent_channels, codebook_size=cfg.codebook_size, rotation_trick=True,
+                     frozen_codebook_dim=cfg.simvq_code_dim or None)
     return VectorQuantize(dim=cfg.latent_channels, codebook_size=cfg.codebook_size, codebook_dim=cfg.vq_code_dim,
                           decay=cfg.vq_decay, kmeans_init=True, threshold_ema_dead_code=cfg.vq_dead_code,
                           use_cosine_sim=cfg.vq_cosine, commitment_weight=0.25)
@@ -218,7 +221,7 @@ class VisualTokenizer(nn.Module):
         if self.cfg.quantizer == "fsq":
             quantized, codes = out
             aux = seq.new_zeros(())
-        else:  # vq: commitment loss; lfq: entropy + commitment loss
+        else:  # vq, simvq: commitment loss; lfq: entropy + commitment loss
             quantized, codes, aux = out
         quantized = quantized.transpose(1, 2).reshape(b, c, h, w)
         return quantized, codes.reshape(b, h, w).long(), aux.sum()
@@ -243,7 +246,7 @@ class VisualTokenizer(nn.Module):
             raise ValueError("this tokenizer's VQ codebook is not initialized: train it (or call init_codebook) first")
         b, h, w = codes.shape
         flat = codes.reshape(b, h * w)
-        if self.cfg.quantizer in ("fsq", "lfq"):
+        if self.cfg.quantizer in ("fsq", "lfq", "simvq"):
             seq = self.quantizer.indices_to_codes(flat)
         else:
             seq = self.quantizer.get_output_from_indices(flat)
