@@ -42,7 +42,7 @@ def _commands(line: str):
     group = alternatives[0].split()[0]
     for k, text in enumerate(alternatives):
         text = text if k == 0 else f"{group} {text}"
-        yield list(itertools.takewhile(lambda w: re.fullmatch(r"[a-z]+", w), text.split())), text
+        yield list(itertools.takewhile(lambda w: re.fullmatch(r"[a-z][a-z-]*", w), text.split())), text
 
 
 def test_every_option_in_the_command_reference_exists():

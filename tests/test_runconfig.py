@@ -54,7 +54,7 @@ def test_warmup_follows_the_run_length_unless_set():
 def test_recipes_load_by_name_and_differ_from_the_defaults():
     from tokenloom.jobs.config import RECIPES, RunConfig
 
-    assert sorted(p.stem for p in RECIPES.glob("*.toml")) == ["demo", "finetune", "gpu", "tiny"]
+    assert sorted(p.stem for p in RECIPES.glob("*.toml")) == ["demo", "finetune", "gpu", "rl", "tiny"]
     assert load_run_config("gpu").model.moe.n_experts == 64
     finetune = load_run_config("finetune").train  # the seed's fine-tuning defaults
     assert (finetune.lr, finetune.weight_decay, finetune.grad_clip, finetune.checkpoint_every) == (2e-5, 0.01, 1.0, 50)
@@ -62,5 +62,9 @@ def test_recipes_load_by_name_and_differ_from_the_defaults():
     assert (tiny.model.dim, tiny.train.steps, tiny.demo.corpus_bytes) == (64, 30, 400_000)
     assert (demo.model.dim, demo.train.steps, demo.text_tokenizer.vocab_size) == (128, 300, 2048)
     assert demo.visual_tokenizer != RunConfig().visual_tokenizer
+    rl = load_run_config("rl")  # a task's SFT start (near-duplicate records kept) and its RL run
+    assert (rl.ingest.dedup.near_text, rl.text_tokenizer.vocab_size, rl.rl.task) == (False, 300, "sort")
+    assert load_run_config("rl", ["rl.misc.token_band.text=0.4,3", "rl.hint.gamma=0.1"]).rl.misc.token_band["text"] \
+        == (0.4, 3.0)
     with pytest.raises(FileNotFoundError, match="neither a file nor a recipe"):
         load_run_config("no-such-recipe")

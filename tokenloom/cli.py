@@ -88,7 +88,8 @@ def _quiet_stdout(active: bool):
     saved = os.dup(1)
     os.dup2(2, 1)
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):  # and Python-level prints, when stdout is not fd 1
+            yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
@@ -898,6 +899,61 @@ def parse_grid(text: str | None) -> tuple[int, int] | None:
     if not match:
         raise ValueError(f"--grid takes ROWSxCOLS, e.g. 16x16; got {text!r}")
     return int(match.group(1)), int(match.group(2))
+
+
+@app.command("task-data")
+@_user_errors
+def task_data_command(
+    task: Annotated[str, typer.Option("--task", help="A verifiable task: sort, add or countdown.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for <task>.jsonl (ingest it for the SFT start).")],
+    records: Annotated[int, typer.Option("--records")] = 4000,
+    buckets: Annotated[str, typer.Option("--buckets", help="Difficulty buckets, e.g. 0,1 (default: all).")] = "",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    json_out: JsonOpt = False,
+):
+    """Write a task's supervised records (prompt and answer) for the SFT model RL starts from."""
+    from tokenloom.jobs.rl import task_data
+
+    doc = task_data(task, out, records, buckets, seed)
+    if json_out:
+        return _emit_json(doc)
+    console.print(f"wrote {doc['records']:,} {doc['task']} records ({', '.join(doc['buckets'])}) to {doc['path']}")
+
+
+@app.command("rl")
+@_user_errors
+def rl_command(
+    model: Annotated[str, typer.Argument(help="The starting model: a model folder, a run folder or run name.")],
+    task: Annotated[str | None, typer.Option("--task", help="sort, add or countdown (default: rl.task).")] = None,
+    buffer: Annotated[str | None, typer.Option("--buffer", help="urb (default), sync or april.")] = None,
+    hints: Annotated[bool, typer.Option("--hints", help="Adaptive hints (AHRL) for hard buckets.")] = False,
+    steps: Annotated[int | None, typer.Option("--steps")] = None,
+    rollout_actors: Annotated[int | None, typer.Option("--rollout-actors", help="Ray actors generating "
+                                                       "(0: in this process).")] = None,
+    run: RunOpt = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="Continue an RL run from its newest complete "
+                                               "checkpoint: a run name, run folder or checkpoint.")] = None,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
+):
+    """RL post-training on a verifiable task: rollout actors, the unbiased replay buffer, GSPO with
+    IcePop gates, optional adaptive hints; metrics.jsonl, rl.png and the model in the run folder."""
+    from tokenloom.jobs.rl import rl
+
+    home_, cfg = _setup(home, config, overrides)
+    for key, value in (("task", task), ("buffer", buffer), ("steps", steps), ("rollout_actors", rollout_actors)):
+        if value is not None:
+            setattr(cfg.rl, key, value)
+    cfg.rl.hints = cfg.rl.hints or hints
+    with _quiet_stdout(json_out):
+        doc = rl(home_, model, cfg, run_name=run, resume_from=resume, progress=not json_out)
+    if json_out:
+        return _emit_json(doc)
+    console.print(f"{doc['steps']} RL steps on {doc['task']} ({doc['buffer']} buffer"
+                  f"{', hints' if doc['hints'] else ''}): reward {doc['reward_first']:.3f} -> {doc['reward_last']:.3f}; "
+                  f"pass@1 {doc['pass_at_1_start'].get('pass1', float('nan')):.3f} -> "
+                  f"{doc['pass_at_1'].get('pass1', float('nan')):.3f}; outputs in {doc['run_dir']}")
+    console.print("pass@1 per bucket: " + ", ".join(f"{k.removeprefix('pass1/')} {v:.2f}"
+                                                   for k, v in doc["pass_at_1"].items() if k != "pass1"))
 
 
 @app.command("generate")

@@ -26,6 +26,7 @@ from tokenloom.tokenizers.audio.config import AudioTokenizerConfig
 from tokenloom.tokenizers.text import TextTokenizerConfig
 from tokenloom.tokenizers.visual.config import VisualTokenizerConfig
 from tokenloom.trainer import TrainConfig
+from tokenloom.trainer.rl.config import RLConfig
 
 RECIPES = Path(__file__).resolve().parents[2] / "configs"  # the repository's recipe folder
 
@@ -54,6 +55,7 @@ class RunConfig:
     stream: StreamConfig = field(default_factory=StreamConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
 
 def _coerce(value, hint, key: str):

@@ -77,7 +77,8 @@ class TrainResult:
     data_share: float = 0.0
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices decay, vectors (norms, biases) do not."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
@@ -173,7 +174,7 @@ def train(
         apply_expert_parallel(model, ep)
         groups = optimizer_param_groups(model, train_cfg.weight_decay)
     else:
-        groups = _param_groups(model, train_cfg.weight_decay)
+        groups = param_groups(model, train_cfg.weight_decay)
     unfreezing = None
     if train_cfg.unfreeze_every:  # tensor hooks on the full model, before DeepSpeed wraps it
         from tokenloom.trainer.optim import ProgressiveUnfreezing
