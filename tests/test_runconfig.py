@@ -66,5 +66,7 @@ def test_recipes_load_by_name_and_differ_from_the_defaults():
     assert (rl.ingest.dedup.near_text, rl.text_tokenizer.vocab_size, rl.rl.task) == (False, 300, "sort")
     assert load_run_config("rl", ["rl.misc.token_band.text=0.4,3", "rl.hint.gamma=0.1"]).rl.misc.token_band["text"] \
         == (0.4, 3.0)
+    floors = [load_run_config("rl", [f"rl.hint.pass_floor={v}"]).rl.hint.pass_floor for v in ("0.1", "none")]
+    assert floors == [0.1, None]  # an optional number from the command line: a number, or none
     with pytest.raises(FileNotFoundError, match="neither a file nor a recipe"):
         load_run_config("no-such-recipe")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,11 @@ class RunConfig:
 
 def _coerce(value, hint, key: str):
     origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:  # `X | None`: "none" or an X
+        if value is None or str(value).lower() in ("none", "null"):
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), key)
     if hint is bool:
         if isinstance(value, bool):
             return value

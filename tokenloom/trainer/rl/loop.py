@@ -197,7 +197,8 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
         staleness_total.update({int(k): v for k, v in record["staleness"].items()})
         pool.set_weights(engine.module.state_dict(), step + 1)
         record.update({"rounds": rounds, "rollout_seconds": rollout_seconds,
-                       "rollout_busy": sum(b for b, _ in busy) / max(sum(w for _, w in busy), 1e-9),
+                       # None when the batch was already complete: no round ran in this step
+                       "rollout_busy": sum(b for b, _ in busy) / sum(w for _, w in busy) if busy else None,
                        "train_seconds": time.perf_counter() - t0 - rollout_seconds, "in_flight": buffer.in_flight()})
         metrics.log(record)
         bar.update(1)

@@ -16,6 +16,16 @@ def _series(records: list[dict], key: str) -> tuple[list, list]:
     return ([p[0] for p in pts], [p[1] for p in pts]) if pts else ([], [])
 
 
+def _smoothed(ax, xs: list, ys: list, label: str, window: int = 10) -> None:
+    """The series, faint, and its moving average over `window` records."""
+    import numpy as np
+
+    (line,) = ax.plot(xs, ys, alpha=0.3, lw=0.8)
+    if len(ys) >= window:
+        ax.plot(xs[window - 1:], np.convolve(ys, np.ones(window) / window, mode="valid"), color=line.get_color(),
+                label=f"{label} ({window}-step mean)")
+
+
 def plot_rl(records: list[dict], staleness: Counter, out: Path) -> Path | None:
     plt = _pyplot()
     if plt is None:
@@ -24,8 +34,8 @@ def plot_rl(records: list[dict], staleness: Counter, out: Path) -> Path | None:
     evals = [r for r in records if r.get("eval") == "pass@1"]
     fig, axes = plt.subplots(2, 4, figsize=(15, 6.5), dpi=110)
     ax = axes[0, 0]
-    ax.plot(*_series(train, "reward"), label="reward (mean)")
-    ax.plot(*_series(train, "solved"), label="solved share", alpha=0.7)
+    _smoothed(ax, *_series(train, "reward"), "reward")
+    _smoothed(ax, *_series(train, "solved"), "solved share")
     ax.set_title("reward")
     ax.legend(fontsize=7)
     ax = axes[0, 1]
@@ -35,7 +45,7 @@ def plot_rl(records: list[dict], staleness: Counter, out: Path) -> Path | None:
     ax.set_title("pass@1 per bucket (greedy, no hints)")
     ax.set_ylim(-0.05, 1.05)
     ax.legend(fontsize=7)
-    axes[0, 2].plot(*_series(train, "entropy"))
+    _smoothed(axes[0, 2], *_series(train, "entropy"), "entropy")
     axes[0, 2].set_title("entropy of response tokens (nats)")
     ax = axes[0, 3]
     ax.plot(*_series(train, "clip_fraction"), label="GSPO clip fraction")
