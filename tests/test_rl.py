@@ -168,8 +168,15 @@ def test_rollouts_do_not_depend_on_the_number_of_ray_actors(tiny):
         pool = RolloutPool(asdict(tiny["cfg"]), space, actors, "bf16")
         pool.set_weights(tiny["state"], 3)
         got[actors], busy = pool.generate(reqs, 1.0, 11)
-        pool.close()
         assert len(busy) == max(1, actors) and all(b > 0 for b in busy)
+        if actors:  # an actor killed between rounds: Ray restarts it, the pool re-sends the weights
+            import ray
+
+            ray.kill(pool.workers[1], no_restart=False)
+            again, _ = pool.generate(reqs, 1.0, 11)
+            assert pool.retries >= 1 and again.keys() == got[actors].keys()
+            assert all(again[k][0] == got[actors][k][0] for k in again)
+        pool.close()
     assert got[0].keys() == got[2].keys()
     for key, (ids, logprobs, finished) in got[0].items():  # the same tokens; log-probs up to thread-count rounding
         assert got[2][key][0] == ids and got[2][key][2] == finished
@@ -179,7 +186,7 @@ def test_rollouts_do_not_depend_on_the_number_of_ray_actors(tiny):
 
 # -- the loop ------------------------------------------------------------------------------------
 def test_urb_loop_trains_queries_in_order_and_resume_is_exact(tiny, tmp_path):
-    cfg = _rl_cfg(checkpoint_every=2)
+    cfg = _rl_cfg(checkpoint_every=2, eval_every=2)
     whole = run_rl(tiny["cfg"], tiny["state"], tiny["space"], tiny["codec"], cfg, tmp_path / "whole", progress=False)
     records = [r for r in _records(tmp_path / "whole") if "reward" in r]
     assert [r["queries"] for r in records] == [[2 * k, 2 * k + 1] for k in range(4)]  # U-RB: arrival order
@@ -188,10 +195,10 @@ def test_urb_loop_trains_queries_in_order_and_resume_is_exact(tiny, tmp_path):
     assert any(r["grad_norm"] > 0 for r in records)  # the groups' rewards differed: the policy moved
     assert (tmp_path / "whole" / "rl.png").is_file()
 
-    cut = run_rl(tiny["cfg"], tiny["state"], tiny["space"], tiny["codec"], _rl_cfg(checkpoint_every=2, stop_after=2),
+    cut = run_rl(tiny["cfg"], tiny["state"], tiny["space"], tiny["codec"], _rl_cfg(checkpoint_every=2, eval_every=2, stop_after=2),
                  tmp_path / "cut", progress=False)
     assert cut.steps == 2
-    resumed = run_rl(tiny["cfg"], tiny["state"], tiny["space"], tiny["codec"], _rl_cfg(checkpoint_every=2),
+    resumed = run_rl(tiny["cfg"], tiny["state"], tiny["space"], tiny["codec"], _rl_cfg(checkpoint_every=2, eval_every=2),
                      tmp_path / "cut", resume_from=tmp_path / "cut", progress=False)
     assert resumed.steps == 2
     assert len([r for r in _records(tmp_path / "cut") if "reward" in r]) == 4

@@ -83,6 +83,8 @@ class RLConfig:
                self.steps, self.updates_per_batch, self.eval_queries) < 1:
             raise ValueError("rl.batch_queries, group_size, oversample, round_tokens, max_response_tokens, steps, "
                              "updates_per_batch and eval_queries must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"rl.seed must be >= 0, got {self.seed}")
         if self.group_size < 2:
             raise ValueError("rl.group_size must be >= 2: the advantage compares a response with its group's others")
         if self.rollout_actors < 0:

@@ -68,7 +68,7 @@ class RLResult:
     reward_first: float
     reward_last: float
     pass_at_1: dict[str, float] = field(default_factory=dict)  # the last evaluation, per bucket name and "mean"
-    pass_at_1_start: dict[str, float] = field(default_factory=dict)  # the first evaluation of this invocation
+    pass_at_1_start: dict[str, float] = field(default_factory=dict)  # the run's first evaluation
     plot: str | None = None
 
 
@@ -136,8 +136,8 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
 
     def evaluate(step: int) -> dict[str, float]:
         """pass@1 per bucket: greedy, no hints, on held-out queries."""
-        items = {(EVAL_KEY + b * cfg.eval_queries + i, 0): task.item(cfg.seed, i, (b,), "eval")
-                 for b in eval_buckets for i in range(cfg.eval_queries)}
+        items = {(EVAL_KEY + b * cfg.eval_queries + i, 0): task.item(cfg.seed, b * cfg.eval_queries + i, (b,), "eval")
+                 for b in eval_buckets for i in range(cfg.eval_queries)}  # each bucket its own queries
         out = _complete(pool, {k: context(it) for k, it in items.items()}, 0.0, cfg.seed, cfg.max_response_tokens)
         scores = {b: [] for b in eval_buckets}
         for key, it in items.items():
@@ -148,7 +148,8 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
         return doc
 
     if cfg.hints and not rates.to_state().get("counts"):  # pass_init: k samples of the starting model
-        probes = {(EVAL_KEY * 2 + b * cfg.hint.samples + i, 0): task.item(cfg.seed, i, (b,), "eval")
+        probes = {(EVAL_KEY * 2 + b * cfg.hint.samples + i, 0):  # not the held-out evaluation's queries
+                  task.item(cfg.seed, EVAL_KEY + b * cfg.hint.samples + i, (b,), "eval")
                   for b in train_buckets for i in range(cfg.hint.samples)}
         out = _complete(pool, {k: context(it) for k, it in probes.items()}, cfg.temperature, cfg.seed,
                         cfg.max_response_tokens)
@@ -168,8 +169,13 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
     earlier = [{k: v for k, v in r.items() if k.startswith("pass1")} for r in metrics.records
                if r.get("eval") == "pass@1"]
     first_eval = earlier[0] if earlier else evaluate(start)
-    last_eval, rewards_seen = first_eval, []
+    if earlier and cfg.eval_every and start % cfg.eval_every == 0:  # the evaluation the cut run logged at its end
+        evaluate(start)
+    last_eval = first_eval
+    rewards_seen = [r["reward"] for r in metrics.records if "reward" in r]  # the run's, not this invocation's
     staleness_total: Counter = Counter()
+    for r in metrics.records:
+        staleness_total.update({int(k): v for k, v in r.get("staleness", {}).items()})
     bar = tqdm(total=cfg.steps, initial=start, desc="rl", disable=not progress, dynamic_ncols=True)
     checkpoint = None
     for step in range(start, end):

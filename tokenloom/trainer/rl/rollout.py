@@ -15,6 +15,9 @@ Why the design is as it is.
   length), so the tokens do not depend on how many actors there are or which one gets the work,
   and a resumed run samples exactly what the uninterrupted one did.
 - A worker reports its busy seconds, so the loop can show the pool's busy fraction.
+- An actor that dies (killed, out of memory) is restarted by Ray without weights; it refuses to
+  sample until the pool has sent it the current version, and the round runs again with the same
+  seeds, so the run goes on with the tokens it would have had.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class RolloutWorker:
         """-> {"results": {key: (new tokens, their log-probs, finished)}, "seconds": busy time, "version"}.
         A response finishes when it samples `<eos>`; one that reaches its limit without it continues
         next round (the loop decides when its total length ends it)."""
+        if self.version < 0:  # a restarted actor: its constructor's random weights must never sample
+            raise RuntimeError("this rollout worker holds no policy weights (restarted?)")
         started = time.perf_counter()
         eos = self.space.specials["<eos>"]
         groups: dict[tuple[int, ...], list[RolloutRequest]] = {}
@@ -99,13 +104,14 @@ class RolloutPool:
     are dealt out by trajectory so that a group stays on one actor."""
 
     def __init__(self, model_cfg: dict, space: TokenSpace, actors: int, weights: str, num_cpus: float = 1.0):
-        self.actors = actors
+        self.actors, self.retries = actors, 0
+        self.restart_seconds = 180.0  # how long a round waits for Ray to bring a dead actor back
         if actors == 0:
             self.workers = [RolloutWorker(model_cfg, space, weights, threads=0)]
             return
         import ray
 
-        remote = ray.remote(num_cpus=num_cpus, max_restarts=2, max_task_retries=2)(RolloutWorker)
+        remote = ray.remote(num_cpus=num_cpus, max_restarts=2)(RolloutWorker)
         self.workers = [remote.remote(model_cfg, space, weights) for _ in range(actors)]
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -115,8 +121,8 @@ class RolloutPool:
             return
         import ray
 
-        ref = ray.put(state)
-        ray.get([w.set_weights.remote(ref, version) for w in self.workers])
+        self._weights = (ray.put(state), version)  # kept to re-send to an actor Ray restarted
+        ray.get([w.set_weights.remote(*self._weights) for w in self.workers])
 
     def generate(self, requests: list[RolloutRequest], temperature: float, seed: int) -> tuple[dict, list[float]]:
         """-> (results by key, each worker's busy seconds)."""
@@ -129,15 +135,32 @@ class RolloutPool:
         if self.actors == 0:
             outs = [self.workers[0].generate(shares[0], temperature, seed)]
         else:
-            import ray
-
-            outs = ray.get([w.generate.remote(s, temperature, seed) for w, s in zip(self.workers, shares, strict=True)
-                            if s])
+            outs = self._remote_generate(shares, temperature, seed)
         results = {}
         for out in outs:
             results.update(out["results"])
         seconds = [out["seconds"] for out in outs] + [0.0] * (len(self.workers) - len(outs))
         return results, seconds
+
+    def _remote_generate(self, shares: list[list[RolloutRequest]], temperature: float, seed: int) -> list[dict]:
+        """Each actor's share; an actor that died is restarted by Ray (`max_restarts`) without weights:
+        the pool sends it the current version and runs the round again (same seeds: same tokens)."""
+        import ray
+        from ray.exceptions import RayError
+
+        deadline, failed = time.monotonic() + self.restart_seconds, False
+        while True:
+            try:
+                if failed:  # after a failure: every actor gets the current weights (a restarted one has none)
+                    ray.get([w.set_weights.remote(*self._weights) for w in self.workers])
+                return ray.get([w.generate.remote(s, temperature, seed)
+                                for w, s in zip(self.workers, shares, strict=True) if s])
+            except RayError:  # the actor died, is restarting (importing torch), or came back without weights
+                if time.monotonic() > deadline:
+                    raise
+                failed = True
+                self.retries += 1
+                time.sleep(2.0)
 
     def close(self) -> None:
         if self.actors:
