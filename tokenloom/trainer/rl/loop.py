@@ -112,7 +112,9 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
         _, client = engine.load_checkpoint(str(resume_from.parent), tag=resume_from.name)
         if client is None or "rl" not in client:
             raise FileNotFoundError(f"{resume_from} is not an RL checkpoint")
-        theirs = {k: v for k, v in client["rl"].items() if k not in ("steps", "stop_after", "eval_every")}
+        schedule_only = ("steps", "stop_after", "eval_every", "eval_queries", "eval_buckets", "checkpoint_every",
+                         "keep_last")  # what may change on resume: nothing the training depends on
+        theirs = {k: v for k, v in client["rl"].items() if k not in schedule_only}
         ours = {k: v for k, v in asdict(cfg).items() if k in theirs}
         if theirs != ours:
             changed = sorted(k for k in theirs if theirs[k] != ours.get(k))
