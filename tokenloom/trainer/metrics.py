@@ -59,7 +59,8 @@ def peak_memory(device) -> dict[str, float]:
     return out
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -72,7 +73,7 @@ def _pyplot():
 
 def plot_loss(records: list[dict], out: Path) -> Path | None:
     """Loss against step (total and per modality) as a PNG; None when matplotlib is unavailable."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 3.8), dpi=120)
@@ -99,7 +100,7 @@ def plot_loss(records: list[dict], out: Path) -> Path | None:
 
 def plot_routing(loads, out: Path, title: str = "expert load / mean load (1 = balanced)") -> Path | None:
     """Heatmap of each expert's share of the load, one row per (layer, modality), from loads [layers, 4, E]."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     import numpy as np

@@ -174,10 +174,6 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
     if earlier and cfg.eval_every and start % cfg.eval_every == 0:  # the evaluation the cut run logged at its end
         evaluate(start)
     last_eval = first_eval
-    rewards_seen = [r["reward"] for r in metrics.records if "reward" in r]  # the run's, not this invocation's
-    staleness_total: Counter = Counter()
-    for r in metrics.records:
-        staleness_total.update({int(k): v for k, v in r.get("staleness", {}).items()})
     bar = tqdm(total=cfg.steps, initial=start, desc="rl", disable=not progress, dynamic_ncols=True)
     checkpoint = None
     for step in range(start, end):
@@ -201,8 +197,6 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
             rounds += 1
         rollout_seconds = time.perf_counter() - t0
         record = _train_step(engine, scheduler, batch, task, reply, cfg, step, device, pad)
-        rewards_seen.append(record["reward"])
-        staleness_total.update({int(k): v for k, v in record["staleness"].items()})
         pool.set_weights(engine.module.state_dict(), step + 1)
         record.update({"rounds": rounds, "rollout_seconds": rollout_seconds,
                        # None when the batch was already complete: no round ran in this step
@@ -226,6 +220,11 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
     metrics.close()
     from tokenloom.trainer.rl.plots import plot_rl
 
+    # the whole run's (a resumed log holds the records before the resume too)
+    rewards_seen = [r["reward"] for r in metrics.records if "reward" in r]
+    staleness_total: Counter = Counter()
+    for r in metrics.records:
+        staleness_total.update({int(k): v for k, v in r.get("staleness", {}).items()})
     plot = plot_rl(metrics.records, staleness_total, run_dir / "rl.png")
     model_dir = save_model(engine.module.state_dict(), model_cfg, run_dir / "model", {"steps": end, "rl": cfg.task})
     return RLResult(str(run_dir), end - start, str(model_dir), str(checkpoint) if checkpoint else None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from tokenloom.trainer.metrics import _pyplot
+from tokenloom.trainer.metrics import pyplot
 
 
 def _series(records: list[dict], key: str) -> tuple[list, list]:
@@ -27,7 +27,7 @@ def _smoothed(ax, xs: list, ys: list, label: str, window: int = 10) -> None:
 
 
 def plot_rl(records: list[dict], staleness: Counter, out: Path) -> Path | None:
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     train = [r for r in records if "reward" in r]
