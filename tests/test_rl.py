@@ -102,7 +102,7 @@ def tiny(tmp_path_factory):
             "codec": codec, "task": task}
 
 
-def _rl_cfg(**kw) -> RLConfig:
+def _rl_cfg(grpo: bool = False, **kw) -> RLConfig:
     base = dict(task="sort", buckets="0,1,2", batch_queries=2, group_size=4, oversample=2, round_tokens=3,
                 max_response_tokens=10, steps=4, updates_per_batch=2, lr=3e-4, rollout_actors=0, eval_every=0,
                 eval_queries=2, checkpoint_every=0, misc={"clip_low": 0.2, "clip_high": 0.28})
@@ -110,6 +110,8 @@ def _rl_cfg(**kw) -> RLConfig:
     base.update(kw)
     cfg = RLConfig(**{k: v for k, v in base.items() if k != "misc"})
     cfg.misc.clip_low, cfg.misc.clip_high = misc["clip_low"], misc["clip_high"]
+    if grpo:  # the GRPO-style baseline: a ratio per token, no IcePop gates
+        cfg.misc.ratio, cfg.misc.token_gate, cfg.misc.sequence_gate = "token", False, False
     return cfg
 
 
@@ -210,6 +212,24 @@ def test_urb_loop_trains_queries_in_order_and_resume_is_exact(tiny, tmp_path):
     with pytest.raises(ValueError, match="other RL settings"):
         run_rl(tiny["cfg"], tiny["state"], tiny["space"], tiny["codec"], _rl_cfg(group_size=2), tmp_path / "cut",
                resume_from=tmp_path / "cut", progress=False)
+
+
+def test_wall_clock_budget_ends_the_run_at_a_step_and_resume_continues(tiny, tmp_path):
+    # rl.max_minutes: the step that finishes past the budget ends the invocation like stop_after does
+    # (checkpoint, evaluation, model); the budget is a schedule setting, so the resume may lift it
+    # the GRPO-style per-token objective runs through the same loop
+    grpo = {"grpo": True}
+    cut = run_rl(tiny["cfg"], tiny["state"], tiny["space"], tiny["codec"], _rl_cfg(max_minutes=1e-6, **grpo),
+                 tmp_path / "run", progress=False)
+    assert cut.steps == 1 and cut.checkpoint.endswith("step-000001")
+    evals = [r["step"] for r in _records(tmp_path / "run") if r.get("eval") == "pass@1"]
+    assert evals == [0, 1]
+    resumed = run_rl(tiny["cfg"], tiny["state"], tiny["space"], tiny["codec"], _rl_cfg(steps=3, **grpo),
+                     tmp_path / "run", resume_from=tmp_path / "run", progress=False)
+    assert resumed.steps == 2
+    records = [r for r in _records(tmp_path / "run") if "reward" in r]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["queries"] for r in records] == [[2 * k, 2 * k + 1] for k in range(3)]
 
 
 def test_ray_actor_rollouts_train_as_the_in_process_ones(tiny, tmp_path):

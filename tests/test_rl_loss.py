@@ -108,6 +108,35 @@ def test_clip_cases_and_gradients_by_hand():
     assert out.stats["mismatch_kl/text"] == pytest.approx(0, abs=1e-15)
 
 
+def test_token_ratio_grpo_style_by_hand():
+    # ratio = "token": each token has its own ratio r_t = exp(logp_t - logp_old_t), clipped on its own
+    # (PPO / GRPO); the same row under GSPO has one ratio for all its tokens
+    rows = [
+        [(0.1, 0.0, "text"), (0.5, 0.0, "text")],  # A > 0: r = e^0.1 inside, e^0.5 above -> clipped
+        [(-0.5, 0.0, "text"), (0.2, 0.0, "text"), (0.6, 0.0, "text")],  # A < 0: below -> clipped; inside; above -> not
+    ]
+    advantages = [2.0, -1.0]
+    cfg = _cfg(ratio="token", token_gate=False, sequence_gate=False)
+    out, grad = _run(rows, advantages, cfg)
+    batch = 2
+    r0 = [math.exp(0.1), math.exp(0.5)]
+    r1 = [math.exp(-0.5), math.exp(0.2), math.exp(0.6)]
+    j0 = (r0[0] * 2.0 + (1 + CLIP_HIGH) * 2.0) / 2
+    j1 = ((1 - CLIP_LOW) * -1.0 + r1[1] * -1.0 + r1[2] * -1.0) / 3
+    assert out.loss.item() == pytest.approx(-(j0 + j1) / batch, rel=1e-12)
+    # d loss / d logp_t = -A r_t / (|k_i| B) where the token's unclipped branch is taken, 0 where clipped
+    expected = [[-2.0 * r0[0] / (2 * batch), 0.0], [0.0, 1.0 * r1[1] / (3 * batch), 1.0 * r1[2] / (3 * batch)]]
+    for i, row in enumerate(expected):
+        assert grad[i, : len(row)].tolist() == pytest.approx(row, rel=1e-12)
+        assert grad[i, len(row):].eq(0).all()
+    # 3 of 5 tokens outside [0.8, 1.3] (e^0.5, e^-0.5, e^0.6), whichever branch min() took
+    assert out.stats["clip_fraction"] == pytest.approx(3 / 5)
+    gspo, _ = _run(rows, advantages, _cfg(token_gate=False, sequence_gate=False))
+    assert gspo.loss.item() != pytest.approx(out.loss.item(), rel=1e-3)  # the two objectives differ here
+    with pytest.raises(ValueError, match="rl.misc.ratio"):
+        _cfg(ratio="tokens").validate()
+
+
 # -- IcePop gates -----------------------------------------------------------------------------------
 
 

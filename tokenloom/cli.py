@@ -930,6 +930,7 @@ def rl_command(
     steps: Annotated[int | None, typer.Option("--steps")] = None,
     rollout_actors: Annotated[int | None, typer.Option("--rollout-actors", help="Ray actors generating "
                                                        "(0: in this process).")] = None,
+    max_minutes: MinutesOpt = None,
     run: RunOpt = None,
     resume: Annotated[str | None, typer.Option("--resume", help="Continue an RL run from its newest complete "
                                                "checkpoint: a run name, run folder or checkpoint.")] = None,
@@ -940,7 +941,8 @@ def rl_command(
     from tokenloom.jobs.rl import rl
 
     home_, cfg = _setup(home, config, overrides)
-    for key, value in (("task", task), ("buffer", buffer), ("steps", steps), ("rollout_actors", rollout_actors)):
+    for key, value in (("task", task), ("buffer", buffer), ("steps", steps), ("rollout_actors", rollout_actors),
+                       ("max_minutes", max_minutes)):
         if value is not None:
             setattr(cfg.rl, key, value)
     cfg.rl.hints = cfg.rl.hints or hints

@@ -29,8 +29,14 @@ class MiscConfig:
     sequence_band: dict[str, tuple[float, float]] = field(default_factory=_default_bands)
     token_gate: bool = True
     sequence_gate: bool = True
+    # "sequence": GSPO's one length-normalised ratio per response (MISC); "token": a ratio per token,
+    # clipped per token, as PPO and GRPO do (the baseline: with clip_low = clip_high = 0.2 and both
+    # gates off it is GRPO's objective without the KL term, as DAPO and verl's defaults run it)
+    ratio: str = "sequence"
 
     def validate(self) -> None:
+        if self.ratio not in ("sequence", "token"):
+            raise ValueError(f"rl.misc.ratio must be sequence (GSPO) or token (GRPO-style), got {self.ratio!r}")
         if not (self.clip_low >= 0 and self.clip_high >= 0):
             raise ValueError(f"clip_low and clip_high must be >= 0, got {self.clip_low} and {self.clip_high}")
         if self.clip_low >= 1:
@@ -63,6 +69,10 @@ class RLConfig:
     rollout_weights: str = "bf16"
     steps: int = 40  # training batches
     stop_after: int = 0  # end this invocation at this step (0: run to steps); --resume continues
+    # end this invocation after the first step that finishes past this many minutes of wall clock,
+    # counted from the rollout pool's start, hint probes included, evaluations not (0: no limit);
+    # the same budget for every method is how bench/bench_rl.py compares them
+    max_minutes: float = 0.0
     updates_per_batch: int = 2  # optimizer steps per batch (its mini-batches): later ones are off-policy
     lr: float = 2e-5
     warmup_steps: int = 0
@@ -97,7 +107,7 @@ class RLConfig:
         if self.updates_per_batch > self.batch_queries * self.group_size:
             raise ValueError(f"rl.updates_per_batch ({self.updates_per_batch}) cannot exceed the batch's "
                              f"{self.batch_queries * self.group_size} responses")
-        if min(self.eval_every, self.checkpoint_every, self.keep_last, self.warmup_steps) < 0 or self.lr <= 0:
-            raise ValueError("rl.eval_every, checkpoint_every, keep_last and warmup_steps must be >= 0, rl.lr > 0")
+        if min(self.eval_every, self.checkpoint_every, self.keep_last, self.warmup_steps, self.max_minutes) < 0 or self.lr <= 0:
+            raise ValueError("rl.eval_every, checkpoint_every, keep_last, warmup_steps and max_minutes must be >= 0, rl.lr > 0")
         self.misc.validate()
         self.hint.validate()

@@ -112,7 +112,7 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
         _, client = engine.load_checkpoint(str(resume_from.parent), tag=resume_from.name)
         if client is None or "rl" not in client:
             raise FileNotFoundError(f"{resume_from} is not an RL checkpoint")
-        schedule_only = ("steps", "stop_after", "eval_every", "eval_queries", "eval_buckets", "checkpoint_every",
+        schedule_only = ("steps", "stop_after", "max_minutes", "eval_every", "eval_queries", "eval_buckets", "checkpoint_every",
                          "keep_last")  # what may change on resume: nothing the training depends on
         theirs = {k: v for k, v in client["rl"].items() if k not in schedule_only}
         ours = {k: v for k, v in asdict(cfg).items() if k in theirs}
@@ -126,6 +126,7 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
     end = cfg.stop_after or cfg.steps
     if start >= end:
         raise ValueError(f"checkpoint is at step {start}; nothing to do before step {end} (raise --steps)")
+    t_run = time.perf_counter()  # rl.max_minutes counts from here
     pool = RolloutPool(asdict(model_cfg), space, cfg.rollout_actors, cfg.rollout_weights)
     pool.set_weights(engine.module.state_dict(), start)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_at=start if resume_from is not None else None)
@@ -136,8 +137,11 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
     def reply(ids: list[int]) -> str:
         return codec.decode([i for i in ids if i != eos])
 
+    eval_seconds = [0.0]  # evaluations are not charged to rl.max_minutes: every method gets the same training time
+
     def evaluate(step: int) -> dict[str, float]:
         """pass@1 per bucket: greedy, no hints, on held-out queries."""
+        t_eval = time.perf_counter()
         items = {(EVAL_KEY + b * cfg.eval_queries + i, 0): task.item(cfg.seed, b * cfg.eval_queries + i, (b,), "eval")
                  for b in eval_buckets for i in range(cfg.eval_queries)}  # each bucket its own queries
         out = _complete(pool, {k: context(it) for k, it in items.items()}, 0.0, cfg.seed, cfg.max_response_tokens)
@@ -147,6 +151,7 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
         doc = {f"pass1/{task.buckets[b]}": float(np.mean(s)) for b, s in scores.items()}
         doc["pass1"] = float(np.mean([v for s in scores.values() for v in s]))
         metrics.log({"step": step, "eval": "pass@1", **doc})
+        eval_seconds[0] += time.perf_counter() - t_eval
         return doc
 
     if cfg.hints and not rates.to_state().get("counts"):  # pass_init: k samples of the starting model
@@ -206,6 +211,8 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
         bar.update(1)
         bar.set_postfix(reward=f"{record['reward']:.2f}")
         done = step + 1
+        if cfg.max_minutes and time.perf_counter() - t_run - eval_seconds[0] >= cfg.max_minutes * 60:
+            end = done  # out of wall clock: this step ends the invocation (checkpoint, evaluation, model)
         if cfg.eval_every and done % cfg.eval_every == 0 and done < end:
             last_eval = evaluate(done)
         if done < end and cfg.checkpoint_every and done % cfg.checkpoint_every == 0 or done == end:
@@ -213,6 +220,8 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
                       "pass_rates": rates.to_state(), "rl": asdict(cfg)}
             checkpoint = checkpoints.save(engine, run_dir / checkpoints.ROOT, done, client,
                                           {**(provenance or {}), "rl": asdict(cfg)}, cfg.keep_last, 0, 1)
+        if done == end:
+            break
     bar.close()
     if end > start:
         last_eval = evaluate(end)

@@ -24,6 +24,10 @@ Formulas (i: response, t: token, A_i: its group-normalised advantage, sg: stop-g
     objective       J_i  = mean_{t in k_i} min(s_i,t A_i, clip(s_i,t, 1 - clip_low, 1 + clip_high) A_i)
     loss            L    = -(1 / B) sum_{i kept} J_i
 
+With `cfg.ratio = "token"` (the GRPO-style baseline) s_i,t = exp(logp_t - logp_old_t), each token's
+own ratio, clipped per token; everything else (gates, J_i's mean over kept tokens, L) is the same.
+GRPO as DAPO and verl run it is that with clip_low = clip_high = 0.2 and both gates off.
+
 m(t) is a token's modality; m(i), a sequence's, is the modality of most of its masked tokens
 (ties: the smallest id). Dropped sequences count in B, so gating never rescales what is kept. The
 gradient of a kept, unclipped token is -A_i s_i / (|k_i| B), as in sequence-level GSPO.
@@ -151,7 +155,10 @@ def misc_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_infer: torch.Tens
         n_kept = kept.sum(1).clamp(min=1).to(dtype)  # [B]
         log_s = torch.where(kept, logp - logp_old, zero).sum(1) / n_kept  # [B]: sg[log s_i]
 
-    ratio = (log_s.unsqueeze(1) + logp - logp.detach()).exp()  # [B, T]: s_i,t, equal to s_i in value
+    if cfg.ratio == "token":  # [B, T]: each token's own ratio (PPO, GRPO)
+        ratio = (logp - logp_old).exp()
+    else:  # [B, T]: s_i,t, equal to s_i in value
+        ratio = (log_s.unsqueeze(1) + logp - logp.detach()).exp()
     adv = advantages.unsqueeze(1)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
     objective = torch.where(kept, surrogate, zero).sum(1) / n_kept  # [B]: J_i, 0 for dropped sequences
@@ -160,9 +167,14 @@ def misc_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_infer: torch.Tens
     with torch.no_grad():
         s = log_s.exp()
         n_seq = int(kept_seq.sum())
-        outside = (s < 1 - cfg.clip_low) | (s > 1 + cfg.clip_high)
+        if cfg.ratio == "token":  # the share of kept tokens whose own ratio is outside the band
+            outside_t = kept & ((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high))
+            clipped = float(outside_t.sum()) / max(1.0, float(kept.sum()))
+        else:  # the share of kept sequences whose ratio is outside the band
+            outside = (s < 1 - cfg.clip_low) | (s > 1 + cfg.clip_high)
+            clipped = float((outside & kept_seq).sum()) / n_seq if n_seq else 0.0
         stats = {
-            "clip_fraction": float((outside & kept_seq).sum()) / n_seq if n_seq else 0.0,
+            "clip_fraction": clipped,
             "sequence_ratio_mean": float(s[kept_seq].mean()) if n_seq else 1.0,
             "sequence_masked_fraction": (batch - n_seq) / batch,
             "kept_tokens": float(kept.sum()),
