@@ -114,6 +114,39 @@ def test_chunked_encoding_of_a_long_file_has_every_frame(tmp_path):
     assert (codes[:, 0] == whole[:, 0].numpy()).mean() > 0.8, "chunking changes codes only near the seams"
 
 
+def test_windowed_encoding_equals_one_pass_and_needs_its_context(monkeypatch):
+    """The encoder over windows with `context_frames` on each side gives one pass's latents (to
+    float rounding) and codes, and so does encode_long over blocks of any size; without the
+    context the seams differ (the probe can fail)."""
+    model = ready(AudioTokenizer(replace(TINY, encode_window_seconds=0.3)))
+    assert model.context_frames == 8  # TINY's convolutions span 2,049 samples: 7 frames, plus one
+    wav = torch.from_numpy(tone((220.0, 330.0), 3.1, 16_000) + 0.05 * np.random.default_rng(0).standard_normal(
+        49_600).astype(np.float32))[None, None]
+    with torch.inference_mode():
+        windowed, codes = model.latents(wav), model.encode(wav)
+        model.cfg = replace(model.cfg, encode_window_seconds=0)
+        one_pass, one_codes = model.latents(wav), model.encode(wav)
+    assert windowed.shape == one_pass.shape == (1, 16, 155)
+    assert float((windowed - one_pass).abs().max()) < 1e-5
+    assert (codes == one_codes).all(-1).float().mean() > 0.99
+    model.cfg = replace(model.cfg, encode_window_seconds=0.3)
+    samples = wav[0, 0].numpy()
+    for block in (1, 319, 7919, 100_000):
+        long = encode_long(model, (samples[i:i + block] for i in range(0, len(samples), block)))
+        assert long.shape == (155, 4) and (long == one_codes[0].numpy()).all(-1).mean() > 0.99, block
+    monkeypatch.setattr(AudioTokenizer, "context_frames", property(lambda self: 0))
+    with torch.inference_mode():
+        blind = model.latents(wav)
+    assert float((blind - one_pass).abs().max()) > 1e-3, "windows without context differ at the seams"
+
+
+def test_window_setting_is_checked():
+    with pytest.raises(ValueError, match="encode_window_seconds"):
+        replace(TINY, encode_window_seconds=-1.0).validate()
+    with pytest.raises(ValueError, match="encode_window_seconds"):
+        replace(TINY, encode_window_seconds=0.001).validate()
+
+
 def test_evaluate_reports_every_level_count(tmp_path):
     model = ready(AudioTokenizer(replace(TINY, levels=3)))
     clips = [torch.from_numpy(tone((440.0,), 0.6))[None], torch.from_numpy(tone((300.0, 500.0), 0.4))[None]]

@@ -54,7 +54,12 @@ class AudioTokenizerConfig:
     threads: int = 0
     bf16_autocast: bool = False  # off by default: slower on AVX2-only CPUs (bench_cpu_matmul)
     # ingestion
-    chunk_seconds: float = 30.0  # long files are read, resampled and encoded this much at a time
+    chunk_seconds: float = 30.0  # long files are read and resampled this much at a time
+    # the encoder runs over windows this long, with its receptive field of audio on each side (the
+    # latents equal one pass's to float rounding): each activation stays small (8 s x 16 channels
+    # = 8 MB), 1.7x the speed of one pass over a 49 s clip on one core (bench/bench_audio_encode.py,
+    # bench/RESULTS.md); 0 encodes in one pass
+    encode_window_seconds: float = 8.0
 
     def validate(self) -> None:
         if self.frame_rate not in STRIDES:
@@ -65,6 +70,9 @@ class AudioTokenizerConfig:
             raise ValueError("audio_tokenizer.levels must be 1..32 and codebook_size >= 2")
         if self.segment_seconds * self.frame_rate < 2 or self.chunk_seconds * self.frame_rate < 1:
             raise ValueError("audio_tokenizer.segment_seconds and chunk_seconds must hold whole frames")
+        if self.encode_window_seconds < 0 or 0 < self.encode_window_seconds * self.frame_rate < 1:
+            raise ValueError("audio_tokenizer.encode_window_seconds must be 0 (one pass) or hold at least one frame, "
+                             f"got {self.encode_window_seconds}")
         if min(self.adversarial_weight, self.feature_weight, self.l1_weight, self.mel_weight, self.sisdr_weight) < 0:
             raise ValueError("audio_tokenizer loss weights must be non-negative")
         if self.balancer and not (self.l1_weight + self.mel_weight + self.sisdr_weight + self.adversarial_weight
@@ -96,6 +104,11 @@ class AudioTokenizerConfig:
         for s in self.strides:
             out *= s
         return out
+
+    @property
+    def encode_window_frames(self) -> int:
+        """Frames the encoder computes per window (0: the whole signal in one pass)."""
+        return round(self.encode_window_seconds * self.frame_rate)
 
     def bitrate(self, levels: int | None = None) -> float:
         """Bits per second with the first `levels` levels (all by default)."""

@@ -126,6 +126,33 @@ class AudioTokenizer(nn.Module):
             self.quantizer.quantize_dropout = dropout
             self.train(was_training)
 
+    @property
+    def context_frames(self) -> int:
+        """Frames of input on either side of a frame that can reach its latent: the encoder's
+        receptive field (every convolution's span at its input's stride), in whole frames, plus one."""
+        span, jump = 0, 1
+        for layer in self.encoder.modules():
+            if isinstance(layer, nn.Conv1d):
+                span += layer.dilation[0] * (layer.kernel_size[0] - 1) * jump
+                jump *= layer.stride[0]
+        return -(-span // self.cfg.hop) + 1
+
+    def latents(self, wav: torch.Tensor) -> torch.Tensor:
+        """Encoder output [B, D, frames] of audio padded to whole frames, computed window by window
+        (`encode_window_seconds`) with `context_frames` of input on each side: the same values as one
+        pass (to float rounding), with activations small enough to stay in cache."""
+        wav = self.pad(wav)
+        frames, window, halo, hop = wav.shape[-1] // self.cfg.hop, self.cfg.encode_window_frames, \
+            self.context_frames, self.cfg.hop
+        if not window or frames <= window + 2 * halo:
+            return self.encoder(wav)
+        out = []
+        for f0 in range(0, frames, window):
+            f1 = min(frames, f0 + window)
+            a, b = max(0, f0 - halo), min(frames, f1 + halo)
+            out.append(self.encoder(wav[..., a * hop:b * hop])[..., f0 - a:f1 - a])
+        return torch.cat(out, dim=-1)
+
     def _require_codebook(self) -> None:
         if not self.codebook_ready:
             raise ValueError("this tokenizer's RVQ codebooks are not initialized: train it (or call init_codebook) first")
@@ -135,7 +162,7 @@ class AudioTokenizer(nn.Module):
         """Codes [B, frames, L] of 16 kHz mono audio (padded to whole frames)."""
         self._check(wav)
         self._require_codebook()
-        return self.quantize(self.encoder(self.pad(wav)))[1]
+        return self.quantize(self.latents(wav))[1]
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, levels: int | None = None) -> torch.Tensor:

@@ -311,25 +311,33 @@ def train_audio(train_clips: list[np.ndarray], heldout: list[np.ndarray], cfg: A
 
 def encode_long(model: AudioTokenizer, blocks) -> np.ndarray:
     """Codes [frames, L] of a long recording given as an iterator of mono float32 blocks [T] at
-    the model's sample rate (`datasets.audio.read_mono` reads files so): blocks are encoded one
-    at a time at whole-frame boundaries, so memory stays bounded by the block size."""
-    hop = model.cfg.hop
-    pending = np.zeros(0, dtype=np.float32)
-    out: list[np.ndarray] = []
+    the model's sample rate (`datasets.audio.read_mono` reads files so). The encoder runs over
+    windows of `encode_window_seconds` with `context_frames` of audio kept on each side, so the
+    codes equal one pass over the whole recording whatever the block sizes, and memory stays
+    bounded by a block plus a window."""
+    hop, halo = model.cfg.hop, model.context_frames
+    window = model.cfg.encode_window_frames or max(1, round(model.cfg.chunk_seconds * model.cfg.frame_rate))
     device = next(model.parameters()).device
+    buf = np.zeros(0, dtype=np.float32)
+    first = 0  # the frame index of buf[0]
+    done = 0  # frames whose codes are out
+    out: list[np.ndarray] = []
 
-    def run(samples: np.ndarray) -> None:
-        wav = torch.from_numpy(samples)[None, None].to(device)
-        out.append(model.encode(wav)[0].cpu().numpy())
+    def run(a: int, f0: int, f1: int | None) -> None:
+        """Codes of frames [f0, f1) (f1 None: to the end) from buf's samples starting at frame a."""
+        samples = buf[(a - first) * hop:] if f1 is None else buf[(a - first) * hop:(f1 + halo - first) * hop]
+        codes = model.encode(torch.from_numpy(np.ascontiguousarray(samples))[None, None].to(device))[0]
+        out.append(codes[f0 - a:None if f1 is None else f1 - a].cpu().numpy())
 
     for block in blocks:
-        pending = np.concatenate([pending, np.asarray(block, dtype=np.float32)])
-        whole = len(pending) // hop * hop
-        if whole:
-            run(pending[:whole])
-            pending = pending[whole:]
-    if len(pending):
-        run(pending)  # the last partial frame, zero-padded by the model
+        buf = np.concatenate([buf, np.asarray(block, dtype=np.float32)])
+        while done + window + halo <= first + len(buf) // hop:
+            run(max(0, done - halo), done, done + window)
+            done += window
+            drop = max(0, done - halo) - first
+            buf, first = buf[drop * hop:], first + drop
+    if len(buf) > (done - first) * hop:
+        run(max(0, done - halo), done, None)  # the rest, its last partial frame zero-padded by the model
     if not out:
         return np.zeros((0, model.levels), dtype=np.int64)
     return np.concatenate(out)
