@@ -179,3 +179,30 @@ class _Identity(torch.nn.Module):
 
     def decode(self, codes):
         return self._last
+
+
+@pytest.mark.parametrize("weight", [0.0, 1.0])
+def test_codebook_diversity_loss_spreads_the_codes(weight):
+    """`vq_diversity` reaches the quantizer: optimizing latents bunched on a few codes against the
+    quantizer's loss (codebook frozen, so only the loss can move them) spreads them over many
+    codes with the diversity term, and leaves them bunched without it."""
+    model = VisualTokenizer(replace(TINY, vq_diversity=weight))
+    g = torch.Generator().manual_seed(1)
+    model.init_codebook(torch.rand(64, 3, 32, 32, generator=g))  # 1,024 vectors for 1,024 codes
+    model.train()
+    start = model.quantizer.codebook[0].detach().clone() if model.quantizer.codebook.ndim == 2 else None
+    assert start is not None
+    z = (model.quantizer.project_out(start)[None] + 0.01 * torch.randn(256, 16, generator=g))[None]
+    z = z.detach().clone().requires_grad_(True)
+    before = model.quantizer(z, freeze_codebook=True)[1].unique().numel()
+    opt = torch.optim.Adam([z], lr=0.05)
+    for _ in range(60):
+        opt.zero_grad()
+        model.quantizer(z, freeze_codebook=True)[2].sum().backward()
+        opt.step()
+    after = model.quantizer(z, freeze_codebook=True)[1].unique().numel()
+    assert before <= 4
+    if weight:
+        assert after >= 4 * before + 8, (before, after)
+    else:
+        assert after <= before + 2, (before, after)

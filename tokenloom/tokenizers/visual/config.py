@@ -29,6 +29,11 @@ class VisualTokenizerConfig:
     vq_cosine: bool = False  # vq: l2-normalized codes and inputs (cosine similarity lookup)
     vq_decay: float = 0.99  # vq: EMA decay of the codebook
     vq_dead_code: int = 2  # vq: codes whose EMA cluster size falls below this are re-seeded from the batch
+    # vq: weight of vector-quantize-pytorch's codebook diversity loss (minus the entropy of the
+    # batch's mean soft assignment, softmax of -distance x temperature): pushes the encoder to
+    # spread its vectors over the codebook; 0 = off
+    vq_diversity: float = 0.0
+    vq_diversity_temperature: float = 100.0
     # simvq (Zhu et al. 2024, vector-quantize-pytorch's SimVQ): a frozen random codebook through one
     # learned linear map, so every code moves with every update (no dead codes by construction);
     # the rotation trick (Fifty et al. 2024) carries gradients through the quantizer
@@ -65,6 +70,8 @@ class VisualTokenizerConfig:
         if self.vit_dim % self.vit_heads or self.vit_dim % self.fusion_heads or self.vit_dim % 4:
             raise ValueError("visual_tokenizer.vit_dim must be divisible by 4 (2-D positions), vit_heads and "
                              f"fusion_heads; got {self.vit_dim}, {self.vit_heads}, {self.fusion_heads}")
+        if self.vq_diversity < 0 or self.vq_diversity_temperature <= 0:
+            raise ValueError("visual_tokenizer.vq_diversity must be >= 0 and vq_diversity_temperature positive")
         for name in ("channels", "latent_channels"):
             value = getattr(self, name)
             if value < 1 or value % min(8, value):

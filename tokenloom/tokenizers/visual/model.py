@@ -159,7 +159,9 @@ def _make_quantizer(cfg: VisualTokenizerConfig) -> nn.Module:
                      frozen_codebook_dim=cfg.simvq_code_dim or None)
     return VectorQuantize(dim=cfg.latent_channels, codebook_size=cfg.codebook_size, codebook_dim=cfg.vq_code_dim,
                           decay=cfg.vq_decay, kmeans_init=True, threshold_ema_dead_code=cfg.vq_dead_code,
-                          use_cosine_sim=cfg.vq_cosine, commitment_weight=0.25)
+                          use_cosine_sim=cfg.vq_cosine, commitment_weight=0.25,
+                          codebook_diversity_loss_weight=cfg.vq_diversity,
+                          codebook_diversity_temperature=cfg.vq_diversity_temperature)
 
 
 # -- the tokenizer ------------------------------------------------------------------------
