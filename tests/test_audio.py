@@ -23,6 +23,7 @@ from tokenloom.tokenizers.audio import (
 )
 
 TINY = AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=4, codebook_size=32, code_dim=4,
+                            precision="fp32",  # runs compared bit for bit: no timing probe
                             batch_size=2, segment_seconds=0.25, warmup_steps=1, max_minutes=1000.0,
                             eval_every_s=1e9, checkpoint_every_s=1e9, eval_seconds=1.0)
 

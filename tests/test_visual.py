@@ -23,6 +23,7 @@ from tokenloom.tokenizers.visual import (
 from tokenloom.tokenizers.visual.train import publish_bundle
 
 TINY = VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1, vit_heads=2, fusion_heads=2,
+                             precision="fp32",  # runs compared bit for bit: no timing probe
                              image_size=32, batch_size=2, max_pixels=48 * 64, eval_crops=1, warmup_steps=2,
                              max_minutes=1000.0, eval_every_s=1e9, checkpoint_every_s=1e9)
 

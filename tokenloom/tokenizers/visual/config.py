@@ -52,9 +52,15 @@ class VisualTokenizerConfig:
     eval_crops: int = 12  # held-out crops per held-out photo (usage needs enough codes to be meaningful)
     seed: int = 0
     threads: int = 0  # torch threads; 0 = torch's default
-    bf16_autocast: bool = False  # off by default: on AVX2-only CPUs bf16 matmul is slower (bench_cpu_matmul)
+    # "auto": bf16 autocast on CUDA, and on a CPU where a probe step at the run's start is >= 1.2x
+    # faster in bf16 (an AMX Xeon: 1.7x for the visual tokenizer; an AVX2-only EPYC: bf16 is far
+    # slower), else fp32 (tokenizers/loop.py choose_precision); "bf16" / "fp32" force it
+    precision: str = "auto"
+    bf16_autocast: bool = False  # older spelling of precision = "bf16" (true forces bf16)
 
     def validate(self) -> None:
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"visual_tokenizer.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.arch not in ARCHS:
             raise ValueError(f"visual_tokenizer.arch must be one of {ARCHS}, got {self.arch!r}")
         if self.quantizer not in QUANTIZERS:
