@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+from benchlib import best_of  # noqa: E402
 from side_by_side import run_variants  # noqa: E402
 
 
@@ -65,15 +65,6 @@ def train_one(name: str, args) -> None:
     (out / f"{tag}.json").write_text(json.dumps({
         "variant": name, "bundle": str(result.bundle.path), "steps": result.steps, "seconds": result.seconds,
         "parameters": result.parameters, "run_dir": result.run_dir}, indent=2))
-
-
-def best_of(fn, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:

@@ -18,31 +18,15 @@ largest latent difference and the share of frames whose codes equal the one-pass
 from __future__ import annotations
 
 import argparse
-import platform
-import time
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
-
-def best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):  # noqa: SIM115
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import best_of, cpu_name  # noqa: E402
 
 
 def main() -> None:

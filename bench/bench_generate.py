@@ -14,19 +14,12 @@ lockstep. Also prints one image row group and one audio frame step of the cached
 from __future__ import annotations
 
 import argparse
-import platform
+import sys
 import time
+from pathlib import Path
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import cpu_name  # noqa: E402
 
 
 def main() -> None:

@@ -35,6 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import cpu_name  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 TOKENLOOM = str(Path(sys.executable).with_name("tokenloom"))
 
@@ -222,13 +225,6 @@ def main() -> None:
     figure = plot(results, args, Path(args.figure))
     if figure:
         print(f"figure: {figure}")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":
