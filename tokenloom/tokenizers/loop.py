@@ -31,7 +31,6 @@ class LoopResult:
     elapsed: float  # seconds of training over all invocations of this run
     items_per_second: float  # this invocation's training throughput (batch items)
     final: dict  # the last evaluation
-    bf16: bool = False  # whether the run trained under bf16 autocast (see choose_precision)
 
 
 def recipe(config: dict) -> dict:
@@ -180,14 +179,13 @@ def run_training(model: torch.nn.Module, cfg, run_dir: Path, sampler: Sampler,
                desc=desc)
     start, last_ckpt, last_eval, items = time.perf_counter() - elapsed, elapsed, elapsed, 0
     run_start_elapsed, first_step = elapsed, step
-    autocast = bf16
     model.train()
     while step < cfg.steps and elapsed < budget and not (stop_after and step - first_step >= stop_after):
         batch = move(sampler.batch(cfg.batch_size), device)
         lr = learning_rate(cfg, step, max(step / cfg.steps, elapsed / budget))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, logged = loss_fn(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -213,4 +211,4 @@ def run_training(model: torch.nn.Module, cfg, run_dir: Path, sampler: Sampler,
     metrics.write(json.dumps({"step": step, "elapsed": round(elapsed, 2),
                               **{f"heldout_{k}": v for k, v in final.items()}}) + "\n")
     metrics.close()
-    return LoopResult(step, elapsed, items / max(elapsed - run_start_elapsed, 1e-9), final, bf16)
+    return LoopResult(step, elapsed, items / max(elapsed - run_start_elapsed, 1e-9), final)
