@@ -5,8 +5,10 @@ exactly what a job's own pools commit. Runs on the test session's Ray runtime.""
 
 from __future__ import annotations
 
+import math
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
 import requests
@@ -203,3 +205,84 @@ def test_generate_through_the_services_equals_generate_with_its_own_tokenizers(s
     (folder / "model.json").write_text(json.dumps({**json.loads((folder / "model.json").read_text()), "vocab": other}))
     with pytest.raises(ValueError, match="tokenize text with bundle"):
         generate(home, folder, "text", pools="service", **ask)
+
+
+def test_batch_routes_encode_and_decode_as_the_bundle_does_in_process(services):
+    """`{"texts": [...]}` and `{"batch": [...]}` answer each item as its own request would, in order;
+    `ServiceClient.encode_texts`/`decode_texts` equal the services' text bundle run in-process."""
+    from tokenloom.jobs.pools import load_state
+    from tokenloom.platform.services import ServiceClient
+    from tokenloom.tokenizers.text import TextTokenizer
+
+    home, cfg, _, _, _ = services
+    url = f"http://127.0.0.1:{cfg.ingest.service.port}"
+    defaults = load_state(home)["defaults"]["text"]
+    client = ServiceClient(url, defaults["vocab"])
+    tok = TextTokenizer.load(defaults["bundle_paths"]["text"])
+    texts = ["sort 3 1 2 =", " 1 2 3", "add 12+7 =", "  spaces, ünïcode and\nlines  "]
+    assert client.encode_texts(texts) == [list(tok.encode(t)) for t in texts]
+    ids = [list(tok.encode(t)) for t in texts] + [[]]
+    assert client.decode_texts(ids) == [tok.decode(i) for i in ids]
+    many = requests.post(f"{url}/tokenize/text", json={"texts": texts[:2]}, timeout=120).json()["samples"]
+    one = [requests.post(f"{url}/tokenize/text", json={"text": t}, timeout=120).json() for t in texts[:2]]
+    assert [s["ids"] for s in many] == [s["ids"] for s in one] and len({s["sample_id"] for s in many}) == 2
+    for body in ({"texts": []}, {"texts": ["fine", 3]}, {"texts": "not a list"}, {"batch": [{"nope": 1}]}):
+        route = "detokenize" if "batch" in body else "tokenize"
+        answer = requests.post(f"{url}/{route}/text", json=body, timeout=120)
+        assert answer.status_code == 400 and answer.json()["error"], body
+
+
+def test_rl_through_the_services_equals_rl_with_its_own_tokenizer(services, tmp_path):
+    """RL whose prompts are encoded and replies decoded by the text service (`rl --pools service`,
+    one request per round) is the run the model's own text bundle gives: every record the same;
+    a model on another text bundle is refused."""
+    import json
+
+    from tokenloom.jobs.config import RunConfig
+    from tokenloom.jobs.pools import load_state
+    from tokenloom.jobs.rl import rl
+    from tokenloom.model.config import ModelConfig, MoEConfig
+    from tokenloom.model.io import save_model
+    from tokenloom.model.unified import UnifiedModel
+    from tokenloom.tokenizers.vocab import VocabManifest
+
+    home, _, _, _, _ = services
+    vocab = VocabManifest.from_dict(load_state(home)["defaults"]["text"]["vocab"])
+    torch.manual_seed(0)
+    mcfg = ModelConfig(vocab_size=vocab.size, audio_ranges=tuple((r.start, r.stop) for r in vocab.audio), dim=32,
+                       n_layers=1, n_heads=2, max_seq_len=512, moe=MoEConfig(n_experts=2, top_k=1, expert_hidden=16))
+    folder = save_model(UnifiedModel(mcfg).state_dict(), mcfg, tmp_path / "model", {"vocab": vocab.to_dict()})
+    cfg = RunConfig()
+    for key, value in dict(task="sort", buckets="0,1", batch_queries=2, group_size=3, oversample=2, round_tokens=3,
+                           max_response_tokens=6, steps=3, rollout_actors=0, eval_every=0, eval_queries=2,
+                           checkpoint_every=0).items():
+        setattr(cfg.rl, key, value)
+    local = rl(home, folder, cfg, run_name="rl-local", progress=False)
+    served = rl(home, folder, cfg, run_name="rl-served", progress=False, pools="service")
+    assert served["pools"] == "service" and served["steps"] == local["steps"] == 3
+
+    def records(doc):
+        timing = ("seconds", "busy", "time")
+        return [{k: v for k, v in json.loads(line).items() if not any(t in k for t in timing)}
+                for line in (Path(doc["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+
+    mine, theirs = records(served), records(local)
+    assert len(mine) == len(theirs) >= 3
+    for x, y in zip(mine, theirs, strict=True):  # the same tokens, queries and counts; floats to rounding
+        assert x.keys() == y.keys()
+        for k in x:
+            assert math.isclose(x[k], y[k], rel_tol=1e-6, abs_tol=1e-6) if isinstance(x[k], float) else x[k] == y[k], k
+    assert served["pass_at_1"] == local["pass_at_1"]
+    # services that hold another text bundle than the model's are refused before anything runs
+    from tokenloom.jobs.pools import _state_path
+
+    path = _state_path(home)
+    kept = path.read_text()
+    state = json.loads(kept)
+    state["defaults"]["text"]["vocab"]["bundles"]["text"] = "text-0000000000"
+    try:
+        path.write_text(json.dumps(state))
+        with pytest.raises(ValueError, match="tokenize text with bundle text-0000000000"):
+            rl(home, folder, cfg, run_name="rl-refused", progress=False, pools="service")
+    finally:
+        path.write_text(kept)

@@ -934,6 +934,8 @@ def rl_command(
     run: RunOpt = None,
     resume: Annotated[str | None, typer.Option("--resume", help="Continue an RL run from its newest complete "
                                                "checkpoint: a run name, run folder or checkpoint.")] = None,
+    pools: Annotated[str, typer.Option("--pools", help="Encode prompts and decode replies here (local) or through "
+                                       "the long-lived text service of `pools up` (service).")] = "local",
     home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
 ):
     """RL post-training on a verifiable task: rollout actors, the unbiased replay buffer, GSPO with
@@ -947,7 +949,7 @@ def rl_command(
             setattr(cfg.rl, key, value)
     cfg.rl.hints = cfg.rl.hints or hints
     with _quiet_stdout(json_out):
-        doc = rl(home_, model, cfg, run_name=run, resume_from=resume, progress=not json_out)
+        doc = rl(home_, model, cfg, run_name=run, resume_from=resume, progress=not json_out, pools=pools)
     if json_out:
         return _emit_json(doc)
     console.print(f"{doc['steps']} RL steps on {doc['task']} ({doc['buffer']} buffer"

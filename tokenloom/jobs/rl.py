@@ -2,7 +2,8 @@
 
 The model folder names its token space (the manifest `model.json` carries, as for `generate`); the
 task's prompts and answers go through the manifest's own text tokenizer, so the RL run reads ids
-the way the model was trained to. Rollout actors run on the local Ray (or `ingest.ray.address`).
+the way the model was trained to: in this process, or (`pools="service"`) through the long-lived
+text service holding that bundle, a round's prompts or replies in one request. Rollout actors run on the local Ray (or `ingest.ray.address`).
 
 `task_data` writes a task's supervised records (a `.jsonl` of `{"text": prompt + answer}`) for the
 SFT start: ingest them into a dataset and `tokenloom train`/`finetune` on it, then `tokenloom rl`.
@@ -35,8 +36,11 @@ def task_data(task_name: str, out: Path, records: int, buckets: str = "", seed: 
 
 
 def rl(home: Home, source: str | Path, cfg, run_name: str | None = None, resume_from: str | Path | None = None,
-       progress: bool = True) -> dict:
-    """Post-train the model at `source` (a model folder or run) on `cfg.rl.task`; or resume a run."""
+       progress: bool = True, pools: str = "local") -> dict:
+    """Post-train the model at `source` (a model folder or run) on `cfg.rl.task`; or resume a run.
+    `pools`: "local" encodes prompts and decodes replies with the model's text bundle in this
+    process, "service" through the long-lived text service (`tokenloom pools up`), which must hold
+    the same bundle: one request per round of replies."""
     from tokenloom.jobs.generate import Generator
     from tokenloom.jobs.train import generation_facts, resume_point
     from tokenloom.model.io import annotate_model
@@ -58,6 +62,29 @@ def rl(home: Home, source: str | Path, cfg, run_name: str | None = None, resume_
     def decode(ids: list[int]) -> str:
         return text.decode([i - offset for i in ids if offset <= i < stop])
 
+    if pools not in ("local", "service"):
+        raise ValueError(f"--pools must be local or service, got {pools!r}")
+    codec = TextCodec(encode, decode)
+    if pools == "service":
+        from tokenloom.jobs.pools import load_state
+        from tokenloom.platform.services import ServiceClient
+
+        state = load_state(home)
+        services = ServiceClient(state["http"], next(iter(state["defaults"].values()))["vocab"])
+        if services.vocab.bundles.get("text") != gen.vocab.bundles.get("text"):
+            raise ValueError(f"the tokenizer services tokenize text with bundle {services.vocab.bundles.get('text')}, "
+                             f"the model was trained on {gen.vocab.bundles.get('text')}: run `tokenloom pools up "
+                             "--dataset` with the model's dataset, or run rl without --pools service")
+
+        def encode_batch(texts: list[str]) -> list[list[int]]:
+            return [[i + offset for i in ids] for ids in services.encode_texts(texts)]
+
+        def decode_batch(batch: list[list[int]]) -> list[str]:
+            return services.decode_texts([[i - offset for i in ids if offset <= i < stop] for ids in batch])
+
+        codec = TextCodec(lambda s: encode_batch([s])[0], lambda ids: decode_batch([ids])[0], encode_batch,
+                          decode_batch)
+
     checkpoint = resume_point(home, resume_from) if resume_from is not None else None
     if checkpoint is not None and checkpoint.parent.name == "checkpoint":
         run_dir = checkpoint.parent.parent
@@ -74,10 +101,10 @@ def rl(home: Home, source: str | Path, cfg, run_name: str | None = None, resume_
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps({"rl": asdict(cfg.rl), "model": asdict(gen.model.cfg),
                                                      **provenance}, indent=2))
-    result = run_rl(gen.model.cfg, gen.model.state_dict(), gen.space, TextCodec(encode, decode), cfg.rl, run_dir,
+    result = run_rl(gen.model.cfg, gen.model.state_dict(), gen.space, codec, cfg.rl, run_dir,
                     resume_from=checkpoint, progress=progress, provenance=provenance)
     stream = json.loads((gen.folder / "model.json").read_text()).get("stream", {})
     facts = generation_facts(gen.vocab, cfg.stream)
     facts["stream"].update({k: v for k, v in stream.items() if k in facts["stream"]})
     annotate_model(result.model_dir, **facts)  # generate reads the RL'd model like any other
-    return {**asdict(result), "task": cfg.rl.task, "buffer": cfg.rl.buffer, "hints": cfg.rl.hints}
+    return {**asdict(result), "task": cfg.rl.task, "buffer": cfg.rl.buffer, "hints": cfg.rl.hints, "pools": pools}

@@ -15,12 +15,14 @@ Serve handles instead of starting actors), `generate` and RL rollouts for prompt
   (413), malformed ones get 400 with the reason, and a record the worker rejects (a corrupt image)
   gets 400 with the worker's quarantine reason: a bad request never reaches a replica as a crash.
 
-Tokenize bodies: text, `{"text": "..."}`; image and audio, the file's bytes, with the caption or
+Tokenize bodies: text, `{"text": "..."}` (or `{"texts": [...]}`: a batch in one request, answered
+as `{"samples": [...]}` in order); image and audio, the file's bytes, with the caption or
 transcript as the `text` query parameter. `source` and `record` (query) name the record as an
 ingestion job would (`source` the file's path, `record` "file"), so its sample id, and with it the
 text-first layout choice, is the job's: the ids then equal the job's for the same file. The
 answer is the shard contract: `{"sample_id", "ids", "segments"}`. Detokenize bodies are that
-answer's `{"ids", "segments"}`; the answer lists the parts: text as strings, images as base64
+answer's `{"ids", "segments"}` (or `{"batch": [...]}` of them, answered as `{"batch": [...]}`); the
+answer lists the parts: text as strings, images as base64
 PNG, audio as base64 WAV (16-bit, the bundle's rate).
 """
 
@@ -130,6 +132,10 @@ class TokenizerService:
             out[kind].append(decode[kind](part))
         return out
 
+    def detokenize_many(self, samples: list[tuple[list[int], list[dict]]]) -> list[dict]:
+        """`detokenize` of each (ids, segments), in order: a batch in one request."""
+        return [self.detokenize(ids, segments) for ids, segments in samples]
+
     def _decoder(self) -> dict:
         if self._decoders is not None:
             return self._decoders
@@ -173,9 +179,10 @@ class TokenizerService:
         return decoders
 
 
-def http_record(modality: str, body: bytes, query: dict[str, str]) -> pa.Table:
-    """A request body as one parsed record (`platform.ingest.RECORD_SCHEMA`), as a job's read step
-    makes it; ValueError (a 400) when the body cannot be one."""
+def http_records(modality: str, body: bytes, query: dict[str, str]) -> tuple[pa.Table, bool]:
+    """A request body as parsed records (`platform.ingest.RECORD_SCHEMA`), as a job's read step
+    makes them, and whether the body was a batch (`{"texts": [...]}`); ValueError (a 400) when the
+    body cannot be one."""
     from tokenloom.datasets import sources
     from tokenloom.platform.ingest import RECORD_SCHEMA
 
@@ -189,15 +196,22 @@ def http_record(modality: str, body: bytes, query: dict[str, str]) -> pa.Table:
             doc = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"the body is not JSON: {exc}") from None
+        if isinstance(doc, dict) and "texts" in doc:  # a batch: a record per text, named by its position
+            texts = doc["texts"]
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t.strip() for t in texts):
+                raise ValueError('the body must be {"texts": [<non-empty strings>, ...]}')
+            return pa.Table.from_pylist([{**row, "sample_id": sources.sample_id(source, f"{record}:{k}"),
+                                          "record": f"{record}:{k}", "payload": t} for k, t in enumerate(texts)],
+                                        schema=RECORD_SCHEMA), True
         if not isinstance(doc, dict) or not isinstance(doc.get("text"), str) or not doc["text"].strip():
-            raise ValueError('the body must be {"text": "<a non-empty string>"}')
+            raise ValueError('the body must be {"text": "<a non-empty string>"} or {"texts": [...]}')
         row["payload"] = doc["text"]
     else:
         if not body:
             raise ValueError(f"the body must be the {modality} file's bytes, got none")
         row["payload"] = (query.get("text") or "").strip() or None  # as a caption sidecar is read
         row["blob"] = body  # audio: the service writes it to a file its worker reads
-    return pa.Table.from_pylist([row], schema=RECORD_SCHEMA)
+    return pa.Table.from_pylist([row], schema=RECORD_SCHEMA), False
 
 
 class Gateway:
@@ -233,12 +247,26 @@ class Gateway:
         try:
             if action == "detokenize":
                 doc = json.loads(body)
+                if isinstance(doc, dict) and isinstance(doc.get("batch"), list):  # many samples, one call
+                    for k, item in enumerate(doc["batch"]):
+                        if not isinstance(item, dict) or not isinstance(item.get("ids"), list):
+                            raise ValueError(f'batch item {k} must be {{"ids": [...], "segments": [...]}}')
+                    return JSONResponse({"batch": await handle.detokenize_many.remote(
+                        [(item["ids"], item.get("segments") or []) for item in doc["batch"]])})
                 if not isinstance(doc, dict) or not isinstance(doc.get("ids"), list):
-                    raise ValueError('the body must be {"ids": [...], "segments": [...]}')
+                    raise ValueError('the body must be {"ids": [...], "segments": [...]} or {"batch": [...]}')
                 return JSONResponse(await handle.detokenize.remote(doc["ids"], doc.get("segments") or []))
-            batch = http_record(modality, body, dict(request.query_params))
+            batch, many = http_records(modality, body, dict(request.query_params))
         except (ValueError, json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
+        if many:  # {"texts": [...]}: each text's sample, in order
+            rows = (await handle.tokenize.remote(batch)).to_pylist()
+            bad = next((k for k, r in enumerate(rows) if r["error"] is not None or r["tokens"] is None), None)
+            if bad is not None:
+                reason = rows[bad]["error"] or f"dropped by the quality filter {rows[bad]['filter']}"
+                return JSONResponse({"error": f"text {bad}: {reason}"}, status_code=400)
+            return JSONResponse({"samples": [{"sample_id": r["sample_id"], "ids": r["tokens"], "segments": r["segments"]}
+                                             for r in rows]})
         out = (await handle.tokenize.remote(batch)).to_pylist()[0]
         if out["error"] is not None:
             return JSONResponse({"error": out["error"], "sample_id": out["sample_id"]}, status_code=400)
@@ -283,32 +311,80 @@ class ServiceClient:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         self.vocab = VocabManifest.from_dict(vocab)
 
-    def tokenize(self, modality: str, body: bytes, query: dict[str, str] | None = None) -> tuple[list[int], list[dict]]:
-        """`POST /tokenize/{modality}`: the sample's ids and segments in the services' manifest."""
+    def _post(self, path: str, body: bytes, what: str, query: dict[str, str] | None = None) -> dict:
+        """`POST {url}/{path}` -> the JSON answer; ServiceError (one line) when refused or unreachable."""
         import urllib.error
         import urllib.parse
         import urllib.request
 
-        url = f"{self.url}/tokenize/{modality}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        url = f"{self.url}/{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
         request = urllib.request.Request(url, data=body, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                body = response.read()
+                answer = response.read()
         except urllib.error.HTTPError as exc:
-            raise ServiceError(f"the {modality} service refused the request ({exc.code}): "
+            raise ServiceError(f"the {what} service refused the request ({exc.code}): "
                                f"{_error_of(exc.read())}") from None
         except OSError as exc:
             raise ServiceError(f"the tokenizer services at {self.url} do not answer ({exc}): run `tokenloom pools "
-                               "up`, or generate without --pools service") from None
+                               "up`, or run without --pools service") from None
         try:
-            doc = json.loads(body)
+            doc = json.loads(answer)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            doc = None
+        if not isinstance(doc, dict):
+            raise ServiceError(f"the {what} service answered something that is not JSON: {answer[:200]!r}")
+        return doc
+
+    def tokenize(self, modality: str, body: bytes, query: dict[str, str] | None = None) -> tuple[list[int], list[dict]]:
+        """`POST /tokenize/{modality}`: the sample's ids and segments in the services' manifest."""
+        doc = self._post(f"tokenize/{modality}", body, modality, query)
+        try:
             ids, segments = doc["ids"], doc["segments"]
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
+        except KeyError:
             raise ServiceError(f"the {modality} service answered something that is not a tokenized sample: "
-                               f"{body[:200]!r}") from None
+                               f"{str(doc)[:200]}") from None
         if ids is None:
             raise ServiceError(f"the {modality} service made no sample of the record") from None
         return ids, segments
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids in the text tokenizer's own (local) ids, from one `/tokenize/text` batch;
+        what the services' bundle encodes in-process, without the sample's <bos>/<eos>."""
+        import numpy as np
+
+        from tokenloom.tokenizers.sequence import SampleLayout, TextPart
+
+        if not texts:
+            return []
+        doc = self._post("tokenize/text", json.dumps({"texts": list(texts)}).encode(), "text")
+        samples = doc.get("samples")
+        if not isinstance(samples, list) or len(samples) != len(texts):
+            raise ServiceError(f"the text service answered {str(doc)[:200]} for {len(texts)} texts")
+        layout, out = SampleLayout(self.vocab), []
+        for sample in samples:
+            parts = layout.disassemble(np.asarray(sample["ids"], dtype=np.int64), sample["segments"])
+            out.append([int(i) for p in parts if isinstance(p, TextPart) for i in p.ids])
+        return out
+
+    def decode_texts(self, ids: list[list[int]]) -> list[str]:
+        """Each list of local text ids as text, from one `/detokenize/text` batch (the services'
+        bundle decodes it)."""
+        import numpy as np
+
+        from tokenloom.tokenizers.sequence import SampleLayout, TextPart
+
+        if not ids:
+            return []
+        layout, batch = SampleLayout(self.vocab), []
+        for local in ids:
+            tokens, segments = layout.assemble([TextPart(np.asarray(local, dtype=np.int64))])
+            batch.append({"ids": [int(t) for t in tokens], "segments": segments})
+        doc = self._post("detokenize/text", json.dumps({"batch": batch}).encode(), "text")
+        answers = doc.get("batch")
+        if not isinstance(answers, list) or len(answers) != len(ids):
+            raise ServiceError(f"the text service answered {str(doc)[:200]} for {len(ids)} samples")
+        return ["".join(a.get("text") or []) for a in answers]
 
     def parts(self, modality: str, body: bytes, query: dict[str, str] | None = None) -> list:
         """The record's parts (`ImagePart`, `AudioPart`, `TextPart`) in tokenizer-local ids."""

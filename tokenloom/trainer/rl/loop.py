@@ -53,10 +53,20 @@ EVAL_KEY = 10**9  # eval and pass-rate queries' indices start here (never a trai
 
 @dataclass
 class TextCodec:
-    """The model's text tokenizer in unified ids: encode(str) -> ids, decode(ids) -> str."""
+    """The model's text tokenizer in unified ids: encode(str) -> ids, decode(ids) -> str; the
+    batch forms, where given, take a round's texts in one call (the tokenizer services: one HTTP
+    request per round instead of one per reply)."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
+    encode_batch: Callable[[list[str]], list[list[int]]] | None = None
+    decode_batch: Callable[[list[list[int]]], list[str]] | None = None
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return self.encode_batch(texts) if self.encode_batch else [self.encode(t) for t in texts]
+
+    def decode_many(self, ids: list[list[int]]) -> list[str]:
+        return self.decode_batch(ids) if self.decode_batch else [self.decode(i) for i in ids]
 
 
 @dataclass
@@ -131,11 +141,17 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
     pool.set_weights(engine.module.state_dict(), start)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_at=start if resume_from is not None else None)
 
-    def context(item: TaskItem) -> list[int]:
-        return [bos, *codec.encode(item.prompt)]
+    def contexts(items: list[TaskItem]) -> list[list[int]]:
+        return [[bos, *ids] for ids in codec.encode_many([it.prompt for it in items])]
 
-    def reply(ids: list[int]) -> str:
-        return codec.decode([i for i in ids if i != eos])
+    def replies(responses: list[list[int]]) -> list[str]:
+        return codec.decode_many([[i for i in ids if i != eos] for ids in responses])
+
+    def complete(items: dict[tuple[int, int], TaskItem], temperature: float) -> dict[tuple[int, int], str]:
+        """Each item's reply, decoded to the end in one round."""
+        out = _complete(pool, dict(zip(items, contexts(list(items.values())), strict=True)), temperature, cfg.seed,
+                        cfg.max_response_tokens)
+        return dict(zip(items, replies([out[k] for k in items]), strict=True))
 
     eval_seconds = [0.0]  # evaluations are not charged to rl.max_minutes: every method gets the same training time
 
@@ -144,10 +160,10 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
         t_eval = time.perf_counter()
         items = {(EVAL_KEY + b * cfg.eval_queries + i, 0): task.item(cfg.seed, b * cfg.eval_queries + i, (b,), "eval")
                  for b in eval_buckets for i in range(cfg.eval_queries)}  # each bucket its own queries
-        out = _complete(pool, {k: context(it) for k, it in items.items()}, 0.0, cfg.seed, cfg.max_response_tokens)
+        out = complete(items, 0.0)
         scores = {b: [] for b in eval_buckets}
         for key, it in items.items():
-            scores[it.bucket].append(task.reward(it, reply(out[key])) == 1.0)
+            scores[it.bucket].append(task.reward(it, out[key]) == 1.0)
         doc = {f"pass1/{task.buckets[b]}": float(np.mean(s)) for b, s in scores.items()}
         doc["pass1"] = float(np.mean([v for s in scores.values() for v in s]))
         metrics.log({"step": step, "eval": "pass@1", **doc})
@@ -158,18 +174,20 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
         probes = {(EVAL_KEY * 2 + b * cfg.hint.samples + i, 0):  # not the held-out evaluation's queries
                   task.item(cfg.seed, EVAL_KEY + b * cfg.hint.samples + i, (b,), "eval")
                   for b in train_buckets for i in range(cfg.hint.samples)}
-        out = _complete(pool, {k: context(it) for k, it in probes.items()}, cfg.temperature, cfg.seed,
-                        cfg.max_response_tokens)
+        out = complete(probes, cfg.temperature)
         for key, it in probes.items():
-            rates.record(it.bucket, task.reward(it, reply(out[key])) == 1.0)
+            rates.record(it.bucket, task.reward(it, out[key]) == 1.0)
         metrics.log({"step": start, "hints": "pass_init",
                      **{f"pass_init/{task.buckets[b]}": rates.rate(b) for b in train_buckets}})
 
-    def make_query(index: int, step: int) -> Query:
-        item = task.item(cfg.seed, index, train_buckets, "train")
-        reference = codec.encode(item.answer)
-        hint = hint_tokens(reference, hint_fraction(step, rates.rate(item.bucket), cfg.hint)) if cfg.hints else []
-        return Query(index, context(item), {"item": asdict(item), "reference": len(reference)}, hint)
+    def make_queries(first: int, count: int, step: int) -> list[Query]:
+        items = [task.item(cfg.seed, index, train_buckets, "train") for index in range(first, first + count)]
+        encoded = codec.encode_many([it.prompt for it in items] + [it.answer for it in items])
+        queries = []
+        for k, (item, prompt, reference) in enumerate(zip(items, encoded[:count], encoded[count:], strict=True)):
+            hint = hint_tokens(reference, hint_fraction(step, rates.rate(item.bucket), cfg.hint)) if cfg.hints else []
+            queries.append(Query(first + k, [bos, *prompt], {"item": asdict(item), "reference": len(reference)}, hint))
+        return queries
 
     # a resumed run's log already holds its first evaluation (an invocation's last one, at its stop
     # step, is dropped with the records after the checkpoint): the log reads as one uninterrupted run
@@ -185,7 +203,7 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
         t0, rounds, busy = time.perf_counter(), 0, []
         while (batch := buffer.ready()) is None:
             if (want := buffer.wants()) > 0:
-                buffer.admit([make_query(next_query + i, step) for i in range(want)])
+                buffer.admit(make_queries(next_query, want, step))
                 next_query += want
             reqs, left = [], {}
             for traj in buffer.active():
@@ -201,7 +219,7 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
                 buffer.record(req.key, ids, lps, step, finished or len(ids) >= left[req.key])
             rounds += 1
         rollout_seconds = time.perf_counter() - t0
-        record = _train_step(engine, scheduler, batch, task, reply, cfg, step, device, pad)
+        record = _train_step(engine, scheduler, batch, task, replies, cfg, step, device, pad)
         pool.set_weights(engine.module.state_dict(), step + 1)
         record.update({"rounds": rounds, "rollout_seconds": rollout_seconds,
                        # None when the batch was already complete: no round ran in this step
@@ -242,12 +260,13 @@ def run_rl(model_cfg: ModelConfig, init_state: dict[str, torch.Tensor] | None, s
                     str(plot) if plot else None)
 
 
-def _train_step(engine, scheduler, batch: list[Trajectory], task, reply, cfg: RLConfig, step: int,
+def _train_step(engine, scheduler, batch: list[Trajectory], task, replies, cfg: RLConfig, step: int,
                 device: torch.device, pad: int) -> dict:
-    """Rewards, advantages, pi_old, then `updates_per_batch` MISC updates; returns the step's record."""
+    """Rewards, advantages, pi_old, then `updates_per_batch` MISC updates; returns the step's record.
+    `replies`: the batch's responses (hint included) as text, in one call."""
     items = [TaskItem(**t.query.payload["item"]) for t in batch]
-    rewards = torch.tensor([task.reward(it, reply([*t.query.hint, *t.tokens])) for it, t in zip(items, batch,
-                                                                                                   strict=True)])
+    texts = replies([[*t.query.hint, *t.tokens] for t in batch])
+    rewards = torch.tensor([task.reward(it, text) for it, text in zip(items, texts, strict=True)])
     advantages = group_advantages(rewards, torch.tensor([t.query.index for t in batch]))
     rb = response_batch([[*t.query.prompt, *t.query.hint] for t in batch], [t.tokens for t in batch],
                         [t.logprobs for t in batch], [t.versions for t in batch], pad)
