@@ -174,6 +174,21 @@ def test_ingest_through_the_services_commits_what_the_jobs_own_pools_commit(serv
     assert {s: r["tokens"] for s, r in mine.items()} == {s: r["tokens"] for s, r in theirs.items()}
 
 
+def _model_on_services_manifest(home, out):
+    """A tiny random model whose manifest is the services' (the dataset's): (folder, manifest)."""
+    from tokenloom.jobs.pools import load_state
+    from tokenloom.model.config import ModelConfig, MoEConfig
+    from tokenloom.model.io import save_model
+    from tokenloom.model.unified import UnifiedModel
+    from tokenloom.tokenizers.vocab import VocabManifest
+
+    vocab = VocabManifest.from_dict(load_state(home)["defaults"]["text"]["vocab"])
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab.size, audio_ranges=tuple((r.start, r.stop) for r in vocab.audio), dim=32,
+                      n_layers=1, n_heads=2, max_seq_len=2048, moe=MoEConfig(n_experts=2, top_k=1, expert_hidden=16))
+    return save_model(UnifiedModel(cfg).state_dict(), cfg, out, {"vocab": vocab.to_dict()}), vocab
+
+
 def test_generate_through_the_services_equals_generate_with_its_own_tokenizers(services, tmp_path):
     """A model whose manifest is the services' (the dataset's): a prompt of an image, an audio clip
     and text, tokenized by the services, gives the same prompt positions and greedy ids as the same
@@ -181,18 +196,9 @@ def test_generate_through_the_services_equals_generate_with_its_own_tokenizers(s
     import json
 
     from tokenloom.jobs.generate import generate
-    from tokenloom.jobs.pools import load_state
-    from tokenloom.model.config import ModelConfig, MoEConfig
-    from tokenloom.model.io import save_model
-    from tokenloom.model.unified import UnifiedModel
-    from tokenloom.tokenizers.vocab import VocabManifest
 
     home, _, inputs, _, _ = services
-    vocab = VocabManifest.from_dict(load_state(home)["defaults"]["text"]["vocab"])
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=vocab.size, audio_ranges=tuple((r.start, r.stop) for r in vocab.audio), dim=32,
-                      n_layers=1, n_heads=2, max_seq_len=2048, moe=MoEConfig(n_experts=2, top_k=1, expert_hidden=16))
-    folder = save_model(UnifiedModel(cfg).state_dict(), cfg, tmp_path / "model", {"vocab": vocab.to_dict()})
+    folder, vocab = _model_on_services_manifest(home, tmp_path / "model")
     image = next(p for p in sorted((inputs / "images").iterdir()) if p.suffix == ".png")
     clip = next(p for p in sorted((inputs / "audio").iterdir()) if p.suffix == ".wav")
     ask = {"prompt": "Describe what you see and hear.", "image": image, "audio": clip, "temperature": 0.0,
@@ -239,19 +245,10 @@ def test_rl_through_the_services_equals_rl_with_its_own_tokenizer(services, tmp_
     import json
 
     from tokenloom.jobs.config import RunConfig
-    from tokenloom.jobs.pools import load_state
     from tokenloom.jobs.rl import rl
-    from tokenloom.model.config import ModelConfig, MoEConfig
-    from tokenloom.model.io import save_model
-    from tokenloom.model.unified import UnifiedModel
-    from tokenloom.tokenizers.vocab import VocabManifest
 
     home, _, _, _, _ = services
-    vocab = VocabManifest.from_dict(load_state(home)["defaults"]["text"]["vocab"])
-    torch.manual_seed(0)
-    mcfg = ModelConfig(vocab_size=vocab.size, audio_ranges=tuple((r.start, r.stop) for r in vocab.audio), dim=32,
-                       n_layers=1, n_heads=2, max_seq_len=512, moe=MoEConfig(n_experts=2, top_k=1, expert_hidden=16))
-    folder = save_model(UnifiedModel(mcfg).state_dict(), mcfg, tmp_path / "model", {"vocab": vocab.to_dict()})
+    folder, _ = _model_on_services_manifest(home, tmp_path / "model")
     cfg = RunConfig()
     for key, value in dict(task="sort", buckets="0,1", batch_queries=2, group_size=3, oversample=2, round_tokens=3,
                            max_response_tokens=6, steps=3, rollout_actors=0, eval_every=0, eval_queries=2,
