@@ -137,7 +137,8 @@ def _same_records(a: list[dict], b: list[dict], tol: float) -> None:
 
 def test_trainer_logprobs_equal_the_rollouts_and_bf16_weights_make_a_real_mismatch(tiny):
     """With the trainer's numerics the rollout's per-token log-probs are the trainer's (KV cache vs a
-    full forward); with bfloat16-rounded weights they differ a little, which is what IcePop gates."""
+    full forward); with bfloat16-rounded weights they differ a little on average (a routing flip
+    can move one token more), which is what IcePop gates."""
     model = UnifiedModel(tiny["cfg"])
     model.load_state_dict(tiny["state"])
     model.eval()
@@ -152,9 +153,14 @@ def test_trainer_logprobs_equal_the_rollouts_and_bf16_weights_make_a_real_mismat
                             [[0] * len(out[(i, 0)][0]) for i in range(6)], space.specials["<pad>"])
         with torch.no_grad():
             logp, _, _ = token_logprobs(model, rb, torch.device("cpu"))
-        gaps[weights] = float((logp - rb.logp_infer)[rb.mask].abs().max())
-    assert gaps["fp32"] < 1e-4
-    assert 1e-4 < gaps["bf16"] < 0.5
+        gap = (logp - rb.logp_infer)[rb.mask].abs()
+        gaps[weights] = (float(gap.max()), float(gap.mean()))
+    assert gaps["fp32"][0] < 1e-4
+    # bf16 rounding moves log-probs by a real amount, mostly a little; one token moved by 1.05 nats
+    # on the CI machine (its fixture trains to other weights; a top-1 expert choice near a tie flips
+    # discontinuously), so "a little" is said of the mean
+    assert gaps["bf16"][0] > 1e-4
+    assert gaps["bf16"][1] < 0.1, gaps
 
 
 def test_rollouts_do_not_depend_on_the_number_of_ray_actors(tiny):
