@@ -23,6 +23,15 @@ def test_text_round_trip(text_bundle, text):
     assert tok.decode(ids) == text
 
 
+def test_batch_encoding_gives_the_ids_of_one_text_at_a_time(text_bundle, corpus_texts):
+    """`encode_batch` (the pools' path, HF's offset-free batch call) equals `encode` text by text,
+    on the corpus and on text it never learned (unicode, whitespace runs, empty)."""
+    tok = TextTokenizer.load(text_bundle.path)
+    texts = [*SAMPLES, *corpus_texts[:200], "\u00a0\u2028 mixed\r\nline ends\r", "x" * 5000]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    assert tok.encode_batch(texts) == [e.ids for e in tok.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
 def test_bpe_compresses_the_language_it_learned(text_bundle, corpus_texts):
     tok = TextTokenizer.load(text_bundle.path)
     sample = " ".join(corpus_texts[:50])

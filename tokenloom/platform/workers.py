@@ -169,7 +169,9 @@ class TextPoolWorker:
         kept = []
         for i, text, ids in zip(rows, texts, encoded, strict=True):
             marks.modality[i], marks.hashes[i] = "text", keys.text_hash(text)
-            failed = filters.first_failure("text", filters.text_measures(text, len(ids)), self.quality)
+            # the measures feed the filters only: not computed when the filters are off
+            failed = self.quality.enabled and filters.first_failure("text", filters.text_measures(text, len(ids)),
+                                                                    self.quality)
             if failed:
                 marks.filter[i], marks.reason[i] = failed
             else:
