@@ -67,6 +67,14 @@ def _reason_class(reason: str) -> str:
     return reason.split(":")[0].split(" at byte")[0].strip()
 
 
+def _kept(table: pa.Table, mask: pa.Array | pa.ChunkedArray) -> pa.Table:
+    """`table.filter(mask)`, without the copy when every row is kept (the common case: a filter
+    copies every column, and a block's token lists are most of what a job writes)."""
+    if mask.null_count == 0 and pc.all(mask).as_py() is not False:
+        return table
+    return table.filter(mask)
+
+
 class ShardSink(Datasink):
     def __init__(self, location: str, job_id: str, vocab_id: str, vocab_size: int, bundle_ids: list[str],
                  rows_per_file: int | None = None):
@@ -120,7 +128,7 @@ class ShardSink(Datasink):
         # one file per modality mix: the table is partitioned by it
         for mix in sorted(set(good.column("modalities").to_pylist())):
             in_mix = pc.equal(good.column("modalities"), mix)
-            part = good.filter(in_mix)
+            part = _kept(good, in_mix)
             path = f"{base}/{name}-{mix.replace('+', '_')}.parquet"
             buffer = pa.BufferOutputStream()
             pq.write_table(part, buffer, compression="zstd")
@@ -131,7 +139,7 @@ class ShardSink(Datasink):
             out.data_files.append(uri)
             out.checksums[uri] = sha256_bytes(data)
             out.file_stats[uri] = shard_stats(part)
-            part_keys = good_keys.filter(in_mix)
+            part_keys = _kept(good_keys, in_mix)
             key_parts_out = part_keys.append_column("data_file", pa.array([uri] * part_keys.num_rows, pa.string()))
             out.keys = pa.concat_tables([out.keys, key_parts_out])
         if good.num_rows:
@@ -162,7 +170,7 @@ class ShardSink(Datasink):
         marked = "filter" in block.column_names
         kept = pc.and_(ok, pc.is_null(block.column("filter"))) if marked else ok
         filtered = self._filtered(block.filter(pc.and_(ok, pc.invert(kept)))) if marked else FILTERED_SCHEMA.empty_table()
-        candidates = block.filter(kept)
+        candidates = _kept(block, kept)
         n = candidates.num_rows
         shards = pa.Table.from_arrays(
             [
@@ -193,7 +201,7 @@ class ShardSink(Datasink):
             },
             schema=QUARANTINE_SCHEMA,
         )
-        return shards.filter(valid), bad, self._keys(candidates).filter(valid), filtered
+        return _kept(shards, valid), bad, _kept(self._keys(candidates), valid), filtered
 
     def _filtered(self, rows: pa.Table) -> pa.Table:
         return pa.Table.from_arrays(
