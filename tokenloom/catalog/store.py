@@ -300,6 +300,36 @@ class TokenCatalog:
                 for path in plan.added + files:
                     overwrite.append_data_file(parquet_file_to_data_file(table.io, tx.table_metadata, path))
 
+    def additions(self, name: str, since: int) -> list[tuple[SnapshotInfo, list[DataFile]]]:
+        """The snapshots committed after `since` up to the current one, oldest first, each with the
+        data files its job added: new rows only. A job that deleted rows (`commit_job`'s
+        `delete_sources`) also added the files it rewrote without them; those hold rows the table
+        had before (`rewrite_checksums_file` names them) and are not additions. Raises ValueError
+        when `since` is no longer an ancestor of the current snapshot (a rollback)."""
+        current = self.snapshot(name)
+        chain = self.ancestry(name, current) if current is not None else []
+        ids = [s.snapshot_id for s in chain]
+        if since not in ids:
+            raise ValueError(f"snapshot {since} of {name!r} is not an ancestor of the current snapshot "
+                             f"{ids[-1] if ids else None}")
+        before = {f.path for f in self.data_files(name, since)}
+        out = []
+        for snap in chain[ids.index(since) + 1 :]:
+            files = self.data_files(name, snap.snapshot_id)
+            rewritten: set[str] = set()
+            side = snap.tokenloom.get("rewrite_checksums_file")
+            if side:
+                filesystem, path = filesystem_and_path(side)
+                try:
+                    with filesystem.open_input_stream(path) as f:
+                        rewritten = set(json.loads(f.read()))
+                except (OSError, ValueError) as exc:
+                    raise OSError(f"snapshot {snap.snapshot_id} of {name!r} rewrote files but their record "
+                                  f"{side} is unreadable ({exc}): cannot tell its new rows from kept ones") from exc
+            out.append((snap, [f for f in files if f.path not in before and f.path not in rewritten]))
+            before = {f.path for f in files}
+        return out
+
     # -- reads ----------------------------------------------------------------------------
     def data_files(self, name: str, at: str | int | None = None) -> list[DataFile]:
         table = self.table(name)

@@ -16,7 +16,7 @@ import os
 import re
 from pathlib import Path
 
-from tokenloom.datasets import shard_files
+from tokenloom.datasets import ShardFile, shard_files
 from tokenloom.jobs.home import Home, code_version, model_folder, open_catalog
 
 log = logging.getLogger("tokenloom")
@@ -151,11 +151,11 @@ def _sources(home: Home, cfg, specs: list, pinned: dict[str, int]):
 
 
 def follower(home: Home, cfg, sources) -> object:
-    """Follow mode's poll: `poll(seen)` -> [(source, snapshot id, files it added)] for every snapshot
-    committed to a source after the one `seen` names, in commit order (a snapshot that replaced or
-    deleted rows contributes only the files it added)."""
-    from tokenloom.jobs.home import open_catalog
-
+    """Follow mode's poll: `poll(seen)` -> [(source, snapshot id, files of new rows)] for every
+    snapshot committed to a source after the one `seen` names, in commit order (`TokenCatalog.
+    additions`: a snapshot that replaced rows contributes its job's own files, not the files it
+    rewrote, whose rows were streamed already). Rows such a snapshot deleted stay in what the run
+    streamed before it (a warning says how many)."""
     def poll(seen: dict[str, int]) -> list:
         catalog = open_catalog(home, cfg)
         out = []
@@ -163,16 +163,19 @@ def follower(home: Home, cfg, sources) -> object:
             current = catalog.snapshot(src.name)
             if current is None or current.snapshot_id == seen[src.name]:
                 continue
-            chain = [s.snapshot_id for s in catalog.ancestry(src.name, current)]
-            if seen[src.name] not in chain:
+            try:
+                added = catalog.additions(src.name, seen[src.name])
+            except ValueError:
                 log.warning("follow: %s's snapshot %s is no longer an ancestor of the current one; not following",
                             src.name, seen[src.name])
                 continue
-            before = {f.path for f in shard_files(catalog, src.name, seen[src.name])}
-            for snapshot_id in chain[chain.index(seen[src.name]) + 1 :]:
-                files = shard_files(catalog, src.name, snapshot_id)
-                out.append((src.name, snapshot_id, [f for f in files if f.path not in before]))
-                before = {f.path for f in files}
+            for snap, files in added:
+                removed = int(snap.tokenloom.get("removed_samples", "0") or 0)
+                if removed:
+                    log.warning("follow: %s's snapshot %s deleted %d sample(s); the run keeps the ones it already "
+                                "streams (follow mode adds rows, it does not remove them)", src.name,
+                                snap.snapshot_id, removed)
+                out.append((src.name, snap.snapshot_id, [ShardFile(f.path, f.record_count) for f in files]))
         return out
 
     return poll
