@@ -1,10 +1,12 @@
-"""Video ingestion throughput: seconds of video per second through the ingestion job's video pool,
+"""Video ingestion throughput: seconds of video per second through the ingestion job's video pool
+(frames) and the audio pool's sound stage,
 against decoding the same files with PyAV alone (every frame and the whole sound track, one
 process): the floor any video ingestion pays before it tokenizes anything.
 
 Clips: synthetic 320x240 at 25 fps with a spoken sound track (samples/video.py), H.264 + AAC in
 MP4. The tokenizers have the default configurations (untrained weights cost the same to run).
-The job runs the video pool as 1 or 2 actors (`--actors`), Ray started before timing. One clip is
+The job runs the video pool and the sound stage on the audio pool as 1 or 2 actors each
+(`--actors`), Ray started before timing. One clip is
 also timed stage by stage in this process (sample frames, encode frames, decode sound, encode
 sound), and the temporal stride (`ingest.video.min_change`) is measured on moving and still clips.
 
@@ -124,10 +126,11 @@ def main() -> None:
 
         cfg = IngestConfig()
         cfg.ray.progress_bars = False
-        pool = cfg.pools["video"]
-        pool.min_actors = pool.max_actors = args.actors
-        pool.task_below_bytes = 0  # an actor pool, as a large job runs
-        pool.batch_size = 1
+        for name in ("video", "audio"):  # frames on the video pool, the sound on the audio pool
+            pool = cfg.pools[name]
+            pool.min_actors = pool.max_actors = args.actors
+            pool.task_below_bytes = 0  # an actor pool, as a large job runs
+            pool.batch_size = 1
         ensure_ray(cfg)
         catalog = TokenCatalog(CatalogConfig(), work / "home")
         t0 = time.perf_counter()
@@ -135,6 +138,7 @@ def main() -> None:
                             cfg)
         job_s = time.perf_counter() - t0
         figures = result.pools["video"]
+        sound = result.pools.get("video_sound")  # None before the sound moved to the audio pool
 
         still = write_clip(work / "still.mp4", np.repeat(shapes_frames(1 / FPS, size=SIZE, fps=FPS), int(args.seconds * FPS),
                                                          axis=0), None, fps=FPS)
@@ -152,6 +156,9 @@ def main() -> None:
               f"{job_s:.1f} s wall: {seconds / job_s:.2f} s of video/s; video pool ({args.actors} actors): "
               f"{figures['seconds']:.1f} s, {seconds / figures['seconds']:.2f} s of video/s, busy "
               f"{figures['busy_fraction']}")
+        if sound:
+            print(f"sound stage on the audio pool ({args.actors} actors): {sound['seconds']:.1f} s, "
+                  f"{seconds / sound['seconds']:.2f} s of video/s, busy {sound['busy_fraction']}")
         print(f"ratio job / peer: {peer_s / job_s:.3f}")
         total = sum(per_stage.values())
         print(f"one clip of {args.seconds:g} s in this process (1 thread): " + ", ".join(
@@ -161,7 +168,7 @@ def main() -> None:
                   f"sampled frames; a still clip keeps {kept['still'][0]}/{kept['still'][1]}")
         doc = {"clips": args.clips, "seconds": args.seconds, "actors": args.actors, "peer_video_s_per_s": seconds / peer_s,
                "job_video_s_per_s": seconds / job_s, "pool_video_s_per_s": seconds / figures["seconds"],
-               "ratio": peer_s / job_s, "stages": per_stage, "pool": figures,
+               "ratio": peer_s / job_s, "stages": per_stage, "pool": figures, "sound_pool": sound,
                "stride": stride}
         print(json.dumps(doc, default=str))
     finally:

@@ -18,7 +18,7 @@ from tokenloom.model.generate import (
     generate,
 )
 from tokenloom.model.unified import mask_indices
-from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
+from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart, VideoPart
 
 WINDOW = 4
 SPACE = TokenSpace((MANIFEST.text.start, MANIFEST.text.stop), (MANIFEST.visual.start, MANIFEST.visual.stop),
@@ -147,6 +147,41 @@ def test_generated_audio_is_the_trained_layout(model):
     assert out.ids[0][-1] == MANIFEST.specials["<eoa>"]
 
 
+@pytest.mark.parametrize("audio_per_frame", [0, 3])
+def test_generated_video_is_the_trained_layout(model, audio_per_frame):
+    """Frames at their ticks with their sound between them: every sampled code's log-probability
+    is the full forward's over the same video laid out as ingestion and the stream lay it out
+    (frame rows predicted row by row, each audio frame by the position before it, level 1 by its
+    level head), so the decoder's positions, segments and masks are the trained ones."""
+    prompt = _positions([TextPart(np.arange(4))])
+    request = Request("video", grid=(2, 3), frames=3, frame_ms=100, audio_per_frame=audio_per_frame,
+                      audio_window=WINDOW)
+    out = generate(model, SPACE, _chunk(prompt), Cursor.after(_chunk(prompt)), request,
+                   SamplingConfig(temperature=1.0, seed=5))
+    video = out.parts[0]["video"]
+    assert isinstance(video, VideoPart) and video.frames.shape == (3, 2, 3)
+    assert video.times.tolist() == [0, 100, 200] and video.audio_frames == 3 * audio_per_frame
+    full_pos = _positions([TextPart(np.arange(4)), video])
+    h = _full(model, full_pos)
+    logp = model.head(h).log_softmax(-1)
+    expected = []
+    for i in range(len(prompt), len(full_pos) - 1):
+        if full_pos.target[i] == 1:  # predicts a frame's code
+            expected.append(float(logp[i, full_pos.labels[i, 0]]))
+        elif full_pos.modality[i + 1] == 2:  # the position before an audio frame predicts it
+            ids = torch.from_numpy(full_pos.ids[i + 1])
+            cond = h[i] + model.embed(ids[:1])[0]
+            level1 = model.level_heads[0](cond[None]).log_softmax(-1)[0, ids[1] - AUDIO_RANGES[1][0]]
+            expected += [float(logp[i, ids[0]]), float(level1)]
+    sampled = [x for x in out.logprobs[0] if not np.isnan(x)]
+    assert len(sampled) == 3 * 2 * 3 + 3 * audio_per_frame * 2
+    np.testing.assert_allclose(sampled, expected, atol=1e-4)
+    # the ids are the sample's tokens between <bov> and <eov>, in shard order
+    tokens, _ = LAYOUT.assemble([video])
+    assert out.ids[0] == tokens[1:-1].tolist()
+    assert out.positions == 1 + 3 * (3 * 3 + audio_per_frame)
+
+
 def test_greedy_is_deterministic_and_seeds_repeat(model):
     prompt = _positions([TextPart(np.arange(5))])
     run = lambda s: generate(model, SPACE, _chunk(prompt, batch=2), Cursor.after(_chunk(prompt)),  # noqa: E731
@@ -173,7 +208,13 @@ def test_limits_and_bad_requests(model):
         generate(model, SPACE, chunk, Cursor.after(chunk), Request("image", grid=(40, 40)))
     with pytest.raises(ValueError, match="grid"):
         generate(model, SPACE, chunk, Cursor.after(chunk), Request("image", grid=(0, 4)))
-    with pytest.raises(ValueError, match="text, image or audio"):
+    with pytest.raises(ValueError, match="text, image, audio or video"):
+        generate(model, SPACE, chunk, Cursor.after(chunk), Request("smell"))
+    with pytest.raises(ValueError, match="grid"):
         generate(model, SPACE, chunk, Cursor.after(chunk), Request("video"))
+    with pytest.raises(ValueError, match="frames >= 1"):
+        generate(model, SPACE, chunk, Cursor.after(chunk), Request("video", grid=(2, 2), frames=0))
+    with pytest.raises(ValueError, match="context"):
+        generate(model, SPACE, chunk, Cursor.after(chunk), Request("video", grid=(4, 4), frames=20, audio_per_frame=25))
     with pytest.raises(ValueError, match="top_p"):
         generate(model, SPACE, chunk, Cursor.after(chunk), Request("text"), SamplingConfig(top_p=0))

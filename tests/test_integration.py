@@ -92,9 +92,11 @@ def test_catalog_reports_the_committed_snapshot(demo_home):
     # per-pool figures of the job (Ray Data's operator stats + the sink's counts): every routed
     # record came out of its pool once; a pool's tokens add up to at least the samples' (dedup drops some)
     pools = shown["pools"]
-    assert set(pools) == {"text", "image", "audio", "video"}
-    # 2 clips + 1 paired + 6 bad + broken-sound.mkv, which is kept without its sound track and noted
-    assert pools["video"]["records"] == 10 and pools["video"]["notes"] == {"broken audio track": 1}
+    assert set(pools) == {"text", "image", "audio", "video", "video_sound"}
+    # 2 clips + 1 paired + 6 bad + broken-sound.mkv, which is kept without its sound track and noted;
+    # every video record passes the sound stage on the audio pool after its frames
+    assert pools["video"]["records"] == pools["video_sound"]["records"] == 10
+    assert pools["video"]["notes"] == {"broken audio track": 1}
     for figures in pools.values():
         assert figures["records"] == figures["records_at_sink"] > 0 and figures["seconds"] > 0
         assert figures["tokens"] > 0 and 0 < figures["busy_fraction"] <= 1

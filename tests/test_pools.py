@@ -175,7 +175,7 @@ def test_the_journal_isolates_a_batch_that_killed_a_worker_and_quarantines_the_r
 
     ids = ["a", "b", "c", "d"]
     batch = pa.table({"sample_id": ids, "payload": ["x"] * 4})
-    entry = tmp_path / hashlib.sha1("\0".join(ids).encode()).hexdigest()
+    entry = tmp_path / f"text-{hashlib.sha1(chr(0).join(ids).encode()).hexdigest()}"
     calls = []
 
     def tokenize(b):
@@ -205,9 +205,11 @@ def test_the_journal_isolates_a_batch_that_killed_a_worker_and_quarantines_the_r
 @pytest.mark.integration
 @pytest.mark.long
 def test_on_a_three_node_cluster_each_pool_runs_only_where_its_label_is(tmp_path, text_bundle):
-    """`ray.cluster_utils.Cluster`: a head without pool labels, a node labelled for the text pool and
-    one for the image pool. The same ingestion, pointed at the cluster (`ingest.ray.address`),
-    commits every record, and each pool's records were tokenized only on its labelled node."""
+    """`ray.cluster_utils.Cluster`: a head without pool labels, a node labelled for the text pool,
+    one for the image pool (where videos go too) and one for the audio pool. The same ingestion,
+    pointed at the cluster (`ingest.ray.address`), commits every record, and each pool's records
+    were tokenized only on its labelled node: a video's frames on the image node, its sound on the
+    audio node."""
     import shutil
 
     import ray
@@ -217,15 +219,20 @@ def test_on_a_three_node_cluster_each_pool_runs_only_where_its_label_is(tmp_path
     from tokenloom.jobs.config import RunConfig
     from tokenloom.jobs.home import Home
     from tokenloom.jobs.ingest import ingest
-    from tokenloom.platform.ingest import shutdown_ray
+    from tokenloom.platform.ingest import shutdown_ray, token_auth_for_clusters
     from tokenloom.samples.images import write_sample_images
     from tokenloom.tokenizers.visual import VisualTokenizer, VisualTokenizerConfig
     from tokenloom.tokenizers.visual.train import publish_bundle
+
+    from tokenloom.samples.video import write_sample_videos
+    from tokenloom.tokenizers.audio import AudioTokenizer, AudioTokenizerConfig
+    from tokenloom.tokenizers.audio import publish_bundle as publish_audio
 
     home = Home(tmp_path / "home")
     inputs = tmp_path / "inputs"
     write_sample_images(inputs / "photos", with_bad_inputs=False, variants=0)
     _corpus(inputs / "docs", 60)
+    write_sample_videos(inputs / "videos", with_bad_inputs=False, clips=2)
     cfg = RunConfig()
     cfg.visual_tokenizer = VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1,
                                                  vit_heads=2, fusion_heads=2, max_pixels=64 * 64)
@@ -233,23 +240,35 @@ def test_on_a_three_node_cluster_each_pool_runs_only_where_its_label_is(tmp_path
     untrained = VisualTokenizer(cfg.visual_tokenizer)
     untrained.init_codebook(torch.rand(4, 3, 32, 32))
     visual = publish_bundle(untrained.eval(), home.bundles)
+    cfg.audio_tokenizer = AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=2,
+                                               codebook_size=32, code_dim=4, chunk_seconds=2.0)
+    sound = AudioTokenizer(cfg.audio_tokenizer)
+    sound.init_codebook(torch.randn(4, 1, 8000) * 0.1)
+    audio = publish_audio(sound.eval(), home.bundles)
     shutil.copytree(text_bundle.path, home.bundles / text_bundle.id)
     cfg.ingest.ray.progress_bars = False
     cfg.ingest.dedup.enabled = False
 
     shutdown_ray()  # the session's local runtime: this test brings its own cluster
+    # the nodes must use the token auth the driver will use to connect (`ingest.ray.address`), whether
+    # or not an earlier test of the session enabled it
+    token_auth_for_clusters()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     try:
         text_node = cluster.add_node(num_cpus=1, resources={"text_pool": 2})
-        image_node = cluster.add_node(num_cpus=1, resources={"image_pool": 2, "audio_pool": 2})
+        image_node = cluster.add_node(num_cpus=1, resources={"image_pool": 2})
+        audio_node = cluster.add_node(num_cpus=1, resources={"audio_pool": 2})
         cluster.wait_for_nodes()
         cfg.ingest.ray.address = cluster.address
-        result = ingest(home, [inputs], "spread", cfg, {"text": text_bundle.id, "visual": visual.id})
+        result = ingest(home, [inputs], "spread", cfg, {"text": text_bundle.id, "visual": visual.id,
+                                                       "audio": audio.id})
     finally:
         ray.shutdown()
         cluster.shutdown()
     pools = result.pools
-    assert set(pools) == {"text", "image"}
+    assert set(pools) == {"text", "image", "video", "video_sound"}
     assert pools["text"]["nodes"] == {text_node.node_id: 60}  # the 60 documents, all on the text node
     assert set(pools["image"]["nodes"]) == {image_node.node_id} and pools["image"]["records"] > 5
-    assert result.samples == 60 + pools["image"]["records"] - result.quarantined - result.filtered
+    assert pools["video"]["nodes"] == {image_node.node_id: 3}  # 2 captioned clips and 1 paired
+    assert pools["video_sound"]["nodes"] == {audio_node.node_id: 3}
+    assert result.samples == 60 + pools["image"]["records"] + 3 - result.quarantined - result.filtered

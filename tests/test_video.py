@@ -194,6 +194,64 @@ def test_sound_intervals_follow_the_frames():
     assert interval_starts(np.array([30, 500, 4000]), 120, 50.0).tolist() == [0, 25, 120]
 
 
+def test_the_two_video_stages_give_the_sample_of_one_pass(clips, text_bundle, tmp_path):
+    """Frames on the video pool, sound on the audio pool (`VideoPoolWorker` then `VideoSoundPoolWorker`,
+    called in-process on one batch): the sample is the one a single pass gives (visual codes of
+    the sampled frames, `encode_long` of the decoded track split at the frame times), a file the
+    first stage rejects keeps its reason through the second, and the second stage says where each
+    stage ran."""
+    import pyarrow as pa
+
+    from tokenloom.platform.ingest import RECORD_SCHEMA
+    from tokenloom.platform.workers import VideoPoolWorker, VideoSoundPoolWorker
+    from tokenloom.tokenizers.audio import AudioTokenizer, AudioTokenizerConfig, encode_long
+    from tokenloom.tokenizers.audio import publish_bundle as publish_audio
+    from tokenloom.tokenizers.visual import VisualTokenizer, VisualTokenizerConfig, fit_to_budget, to_tensor
+    from tokenloom.tokenizers.visual.model import resize_images
+    from tokenloom.tokenizers.visual.train import publish_bundle as publish_visual
+
+    torch.manual_seed(0)
+    visual = VisualTokenizer(VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1,
+                                                   vit_heads=2, fusion_heads=2, image_size=32, max_pixels=32 * 32))
+    visual.init_codebook(torch.rand(4, 3, 32, 32))
+    audio = AudioTokenizer(AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=2,
+                                                codebook_size=32, code_dim=4, chunk_seconds=1.0))
+    audio.init_codebook(torch.randn(4, 1, 8000) * 0.1)
+    store = tmp_path / "bundles"
+    paths = {"text": str(text_bundle.path), "visual": str(publish_visual(visual.eval(), store).path),
+             "audio": str(publish_audio(audio.eval(), store).path)}
+    from tokenloom.tokenizers.text import TextTokenizer
+
+    manifest = VocabManifest.build(TextTokenizer.load(paths["text"]).vocab_size, visual_size=visual.num_codes,
+                                   audio_levels=2, audio_codebook=32)
+    video = VideoConfig()
+    clip, caption = clips / "clip-0.mp4", (clips / "clip-0.txt").read_text().strip()
+    batch = pa.table({"sample_id": ["good", "bad"], "source": [str(clip), "empty.mov"], "record": ["", ""],
+                      "modality": ["video", "video"], "payload": [caption, None], "error": [None, None],
+                      "blob": [None, None], "media": [str(clip), str(clips / "bad" / "empty.mov")]},
+                     schema=RECORD_SCHEMA)
+    kwargs = {"vocab": manifest.to_dict(), "text_first": 0.0}
+    first = VideoPoolWorker({k: paths[k] for k in ("visual", "audio")}, **kwargs, video=vars(video))(batch)
+    second = VideoSoundPoolWorker({k: paths[k] for k in ("text", "audio")}, **kwargs)(first)
+    rows = second.to_pylist()
+    assert rows[1]["error"] == first.column("error")[1].as_py() and rows[1]["error"].startswith("empty file")
+    assert rows[1]["tokens"] is None and rows[1]["node"] is None  # no frames were tokenized
+    # one pass, by hand
+    frames = sample_frames(clip, video)
+    size = fit_to_budget(frames.pixels.shape[1], frames.pixels.shape[2], video.max_frame_pixels, 8)
+    codes = visual.encode(resize_images(torch.stack([to_tensor(p) for p in frames.pixels]), size)).numpy()
+    blocks, _ = read_sound(clip, 1.0)
+    sound = encode_long(audio, blocks)
+    starts = interval_starts(frames.times, len(sound), 50.0)
+    ends = np.r_[starts[1:], len(sound)]
+    expected = VideoPart(codes, frames.times, tuple(sound[a:b] for a, b in zip(starts, ends, strict=True)),
+                         np.round(starts * 1000 / 50.0).astype(np.int64))
+    got, text = SampleLayout(manifest).disassemble(rows[0]["tokens"], rows[0]["segments"])
+    assert got == expected and len(sound) > 0
+    assert text.ids.tolist() == TextTokenizer.load(paths["text"]).encode(caption)
+    assert rows[0]["content_hash"] == first.column("video_hash")[0].as_py()
+
+
 @pytest.fixture(scope="module")
 def ingested(tmp_path_factory, text_bundle, clips):
     from tokenloom.jobs.config import RunConfig
@@ -274,6 +332,10 @@ def test_bad_videos_are_quarantined_with_reasons(ingested):
     assert result.quarantined == 6
     assert result.pools["video"]["notes"] == {"broken audio track": 1}
     assert result.pools["video"]["records_at_sink"] == 12
+    # every video record then passed the sound stage, on the audio pool's resources
+    sound = result.pools["video_sound"]
+    assert sound["records_at_sink"] == sound["records"] == 12 and sum(sound["nodes"].values()) == 12
+    assert sound["mode"] in ("tasks", "actors") and sound["seconds"] > 0
 
 
 @pytest.mark.long  # a video ingestion job of its own (~2 min); the demo's covers the path in `make test`

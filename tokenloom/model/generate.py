@@ -16,6 +16,13 @@ Steps follow the modality (ARCHITECTURE.md, "Groups" and "No target is visible..
     audio  one frame per step: level 0 from the shared head (audio level-0 codes or `<eoa>`),
            levels 1..L-1 in order from the level heads, each conditioned on the codes sampled
            below it, as in training; until `<eoa>` or the frame budget, then `<eoa>`.
+    video  `<bov>`, then K frames at `frame_ms` apart, each an image without delimiters (start
+           row, then row groups) at its tick on the video's clock, followed by the `audio_per_frame`
+           audio frames of its interval (one frame per step, as audio, a new windowed segment per
+           interval; none without sound); `<eov>` after the last. Frame k's rows sit at
+           (p + tick_k, p + r, p + c), its audio frame j at p + tick_k + j (p: the video's first
+           position), and the sample goes on one past the video's largest coordinate
+           (datasets/layout.py, the video clock).
 
 Positions are laid out as the stream lays out samples (datasets/stream.py): text and audio
 advance the rotary t by one; an image starting at t = p puts its start row at (p, p, p + c), its
@@ -38,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenloom.contract import ATTENTION_IDS, MODALITY_IDS
+from tokenloom.contract import ATTENTION_IDS, MODALITY_IDS, TIME_TICK_MS
 from tokenloom.kernels import mask_from_columns
 from tokenloom.model.elastic import SubModel
 
@@ -180,12 +187,13 @@ def text_chunk(cursor: Cursor, ids: torch.Tensor, group: int) -> Chunk:
     return out
 
 
-def image_row_chunk(cursor: Cursor, p: int, row: int, codes: torch.Tensor, group: int) -> Chunk:
-    """Row `row` (-1: the start row) of an image begun at t = p: codes [B, w] unified ids."""
+def image_row_chunk(cursor: Cursor, p: int, row: int, codes: torch.Tensor, group: int, tick: int = 0) -> Chunk:
+    """Row `row` (-1: the start row) of an image begun at t = p: codes [B, w] unified ids; a video
+    frame at `tick` on the clock of a video begun at p has its rows at t = p + tick."""
     w = codes.shape[1]
     cursor.segment += 1
     cursor.text_open = False
-    coords = np.stack([np.full(w, p), np.full(w, p + row + 1), p + np.arange(w)], 1)
+    coords = np.stack([np.full(w, p + tick), np.full(w, p + row + 1), p + np.arange(w)], 1)
     return _chunk(_grouped(codes, group), "image", coords, cursor.segment, "bidirectional")
 
 
@@ -275,29 +283,40 @@ class Decoder:
 class Request:
     """What to generate after the prompt."""
 
-    to: str  # "text", "image" or "audio"
-    grid: tuple[int, int] = (0, 0)  # image: rows x columns of codes
+    to: str  # "text", "image", "audio" or "video"
+    grid: tuple[int, int] = (0, 0)  # image, video frames: rows x columns of codes
     max_new_tokens: int = 64  # text
     max_frames: int = 250  # audio: at most this many frames (the duration), then <eoa>
     stop: tuple[int, ...] = ()  # text: ids that end it (besides <eos>)
     audio_window: int = 64  # frames an audio position attends to (stream.audio_window of training)
+    frames: int = 1  # video: frames
+    frame_ms: int = 500  # video: milliseconds between frames (ingest.video.fps = 2: 500)
+    audio_per_frame: int = 0  # video: audio frames after each frame (its interval's sound); 0: no sound
 
     def validate(self, space: TokenSpace) -> None:
-        if self.to not in ("text", "image", "audio"):
-            raise ValueError(f"generation target must be text, image or audio, got {self.to!r}")
-        if self.to == "image" and min(self.grid) < 1:
+        if self.to not in ("text", "image", "audio", "video"):
+            raise ValueError(f"generation target must be text, image, audio or video, got {self.to!r}")
+        if self.to in ("image", "video") and min(self.grid) < 1:
             raise ValueError(f"an image needs a grid of at least 1 x 1 codes, got {self.grid}")
-        if self.to == "image" and space.visual[1] <= space.visual[0]:
+        if self.to in ("image", "video") and space.visual[1] <= space.visual[0]:
             raise ValueError("this model's vocabulary has no visual codes")
-        if self.to == "audio" and not space.audio:
+        if (self.to == "audio" or (self.to == "video" and self.audio_per_frame)) and not space.audio:
             raise ValueError("this model's vocabulary has no audio codes")
         if self.max_new_tokens < 1 or self.max_frames < 1:
             raise ValueError("max_new_tokens and max_frames must be >= 1")
+        if self.to == "video":
+            if "<bov>" not in space.specials or "<eov>" not in space.specials:
+                raise ValueError("this model's vocabulary has no <bov>/<eov>: it was not trained with video")
+            if self.frames < 1 or self.frame_ms < TIME_TICK_MS or self.audio_per_frame < 0:
+                raise ValueError(f"a video needs frames >= 1, frame_ms >= {TIME_TICK_MS} and audio_per_frame >= 0, "
+                                 f"got {self.frames}, {self.frame_ms}, {self.audio_per_frame}")
 
     def budget(self) -> int:
         """Positions this request may append (delimiters included)."""
         if self.to == "image":
             return (self.grid[0] + 1) * self.grid[1] + 2
+        if self.to == "video":
+            return self.frames * ((self.grid[0] + 1) * self.grid[1] + self.audio_per_frame) + 2
         return (self.max_frames if self.to == "audio" else self.max_new_tokens) + 2
 
 
@@ -321,7 +340,7 @@ def generate(model, space: TokenSpace, prompt: Chunk, cursor: Cursor, request: R
     out = Generated(ids=[[] for _ in range(B)], logprobs=[[] for _ in range(B)], parts=[{} for _ in range(B)])
     t0 = time.perf_counter()
     h = decoder.feed(prompt)[:, -1]
-    step = {"text": _text, "image": _image, "audio": _audio}[request.to]
+    step = {"text": _text, "image": _image, "audio": _audio, "video": _video}[request.to]
     step(model, decoder, space, cursor, request, sampling, rng, h, group, out)
     out.positions = decoder.cache.length - prompt.ids.shape[1]
     out.seconds = time.perf_counter() - t0
@@ -380,6 +399,71 @@ def _image(model, decoder, space, cursor, request, sampling, rng, h, group, out)
         out.ids[row].append(space.specials["<eoi>"])
         out.logprobs[row].append(float("nan"))
         out.parts[row] = {"image": grid[row].numpy()}
+
+
+def _audio_frame(model, space, h, sampling, rng, candidates) -> tuple[torch.Tensor, torch.Tensor]:
+    """One audio frame from the hidden state that predicts it: level 0 from the shared head among
+    `candidates`, levels 1..L-1 in order from the level heads, each conditioned on the codes sampled
+    below it (teacher forcing's order); (unified ids [B, L], log-probabilities [B, L]) on the CPU."""
+    level0, lp0 = sample(model.head(h), candidates, sampling, rng)
+    frame, lps, cond = [level0], [lp0], h
+    for level, head in enumerate(model.level_heads, start=1):
+        cond = cond + model.embed(frame[-1])
+        local, lp = sample(head(cond), None, sampling, rng)
+        frame.append(local + space.audio[level][0])
+        lps.append(lp)
+    return torch.stack(frame, 1).cpu(), torch.stack(lps, 1).cpu()
+
+
+def _video(model, decoder, space, cursor, request, sampling, rng, h, group, out) -> None:
+    B = h.shape[0]
+    rows, cols = request.grid
+    n = request.audio_per_frame
+    _forced(decoder, cursor, space.specials["<bov>"], B, group, out)
+    p = cursor.t
+    candidates = space.ids(space.visual)
+    level0 = space.ids(space.audio[0]) if n else None  # a fixed count per interval: no <eoa> inside a video
+    offsets = torch.tensor([start for start, _ in space.audio]) if n else None
+    frames, sound, times, extent = [], [], [], 0
+    for k in range(request.frames):
+        ms = k * request.frame_ms
+        tick = ms // TIME_TICK_MS
+        current = torch.full((B, cols), space.specials["<row>"])  # the learned start row
+        codes = []
+        for r in range(-1, rows):  # every row is fed: the last one's last position predicts what follows
+            hidden = decoder.feed(image_row_chunk(cursor, p, r, current, group, tick))  # [B, w, D]
+            if r == rows - 1:
+                break
+            ids, logprobs = sample(model.head(hidden).flatten(0, 1), candidates, sampling, rng)
+            current, logprobs = ids.view(B, cols).cpu(), logprobs.view(B, cols).cpu()
+            codes.append(current)
+            for row in range(B):
+                _record(out, row, current[row], logprobs[row])
+        frames.append(torch.stack(codes, 1) - space.visual[0])  # [B, rows, cols]
+        times.append(ms)
+        extent = max(extent, max(tick, rows, cols - 1) + 1)
+        h = hidden[:, -1]
+        interval = []
+        cursor.t = p + tick
+        for j in range(n):
+            frame_ids, frame_lp = _audio_frame(model, space, h, sampling, rng, level0)
+            interval.append(frame_ids)
+            for row in range(B):
+                _record(out, row, frame_ids[row], frame_lp[row])
+            h = decoder.feed(audio_frame_chunk(cursor, frame_ids, group, request.audio_window, new_segment=j == 0))[:, -1]
+        if n:
+            sound.append((torch.stack(interval, 1) - offsets).numpy())  # [B, n, L] local codes
+            extent = max(extent, tick + n)
+    cursor.t, cursor.text_open = p + extent, False
+    from tokenloom.tokenizers.sequence import VideoPart
+
+    grids = torch.stack(frames, 1).numpy()  # [B, K, rows, cols]
+    stamps = np.asarray(times, dtype=np.int64)
+    for row in range(B):
+        out.ids[row].append(space.specials["<eov>"])
+        out.logprobs[row].append(float("nan"))
+        audio = tuple(s[row] for s in sound) if n else ()
+        out.parts[row] = {"video": VideoPart(grids[row], stamps, audio, stamps if n else np.zeros(0, np.int64))}
 
 
 def _audio(model, decoder, space, cursor, request, sampling, rng, h, group, out) -> None:

@@ -88,8 +88,8 @@ class IngestConfig:
         # scales apart from the text pool
         "image": PoolConfig(resource_label="image_pool", num_gpus=1.0, min_actors=1, max_actors=2, batch_size=16),
         "audio": PoolConfig(resource_label="audio_pool", min_actors=1, max_actors=2, batch_size=4),
-        # video files run on the visual pool's nodes (its label, a GPU per actor where there are GPUs):
-        # frames are the heavy part; the worker also holds the audio tokenizer for the sound track
+        # video files: frames on the visual pool's nodes (its label, a GPU per actor where there are
+        # GPUs), then the sound track on the audio pool's (`ingest.pools.audio`; workers.STAGES)
         "video": PoolConfig(resource_label="image_pool", num_gpus=1.0, min_actors=1, max_actors=2, batch_size=2),
     })
     video: VideoConfig = field(default_factory=VideoConfig)  # frame rate, pixel budget, limits (datasets/video.py)

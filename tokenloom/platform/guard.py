@@ -80,7 +80,8 @@ class BatchGuard:
     def run(self, batch: pa.Table, tokenize: Callable[[pa.Table], pa.Table],
             quarantine: Callable[[pa.Table, str], pa.Table]) -> pa.Table:
         ids = batch.column("sample_id").to_pylist()
-        entry = self.dir / hashlib.sha1("\0".join(map(str, ids)).encode()).hexdigest()
+        # per pool: a video's records pass two pools, in batches that may hold the same ids
+        entry = self.dir / f"{self.pool}-{hashlib.sha1(chr(0).join(map(str, ids)).encode()).hexdigest()}"
         state = json.loads(entry.read_text()) if entry.exists() else None
         if state is None:
             _write(entry, {"mode": "batch", "poisoned": []})

@@ -34,7 +34,7 @@ from tokenloom.platform.dedup import deduplicate, existing_keys
 from tokenloom.platform.incremental import classify, plan
 from tokenloom.platform.pools import pool_figures, pool_mode, pool_stage
 from tokenloom.platform.sink import ShardSink, TaskOutput
-from tokenloom.platform.workers import WORKERS
+from tokenloom.platform.workers import STAGE_POOL, WORKERS, needs, stages
 from tokenloom.tokenizers.vocab import VocabManifest
 
 log = logging.getLogger("tokenloom")
@@ -235,7 +235,7 @@ def run_ingest(
     needed: set[str] = set()
     for modality in by_modality:
         config.pool(modality).validate(modality)
-        for kind in WORKERS[modality].needs:
+        for kind in sorted(needs(modality)):
             if kind not in bundle_paths:
                 raise ValueError(f"inputs include {modality} files but no {kind} tokenizer bundle was given")
             needed.add(kind)
@@ -340,11 +340,14 @@ def _run_pools(by_modality: dict[str, list[sources.SourceFile]], config: IngestC
         # blocks of one pool batch each: a file can hold thousands of records, and a whole-file
         # block would pin one actor while the others idle
         records = _read_branch(group, config).repartition(target_num_rows_per_block=pool.batch_size)
-        worker_kwargs = pool_worker_kwargs(modality, bundle_paths, vocab, config)
         size = sum(f.size for f in group)
         service = config.pools_mode == "service"
-        modes[modality] = pool_mode(pool, size, service)
-        branches.append(pool_stage(records, modality, pool, worker_kwargs, size, have_gpus, guard, service))
+        for stage in stages(modality):  # a video's frames on the video pool, then its sound on the audio pool
+            stage_pool = config.pool(STAGE_POOL.get(stage, stage))
+            worker_kwargs = pool_worker_kwargs(stage, bundle_paths, vocab, config)
+            modes[stage] = pool_mode(stage_pool, size, service)
+            records = pool_stage(records, stage, stage_pool, worker_kwargs, size, have_gpus, guard, service)
+        branches.append(records)
     ds = branches[0].union(*branches[1:]) if len(branches) > 1 else branches[0]
     sink = ShardSink(location, job_id, vocab.id, vocab.size, sorted(bundles.values()), config.rows_per_file or None)
     try:
@@ -357,14 +360,16 @@ def _run_pools(by_modality: dict[str, list[sources.SourceFile]], config: IngestC
     out = sink.result
     # what Ray Data measured of each pool's operator (the executed write plan's stats)
     written = getattr(ds, "_write_ds", None)
-    out.pools = pool_figures(written.get_stats_summary() if written is not None else None, config.pools, modes,
+    pools = {stage: config.pool(STAGE_POOL.get(stage, stage)) for stage in modes}
+    out.pools = pool_figures(written.get_stats_summary() if written is not None else None, pools, modes,
                              out.pool_records, out.pool_tokens, out.pool_nodes, out.pool_notes)
     return out
 
 
 def pool_worker_kwargs(modality: str, bundle_paths: dict[str, str], vocab: VocabManifest, config: IngestConfig) -> dict:
-    """What a `modality` pool worker is built from: the bundles it needs, the manifest, the layout,
-    filter and dedup settings (the same for a job's pool and a long-lived service)."""
+    """What a `modality` pool worker (or stage: `workers.STAGES`) is built from: the bundles it
+    needs, the manifest, the layout, filter and dedup settings (the same for a job's pool and a
+    long-lived service)."""
     kwargs = {"bundle_paths": {k: str(bundle_paths[k]) for k in WORKERS[modality].needs},
               "vocab": vocab.to_dict(), "text_first": config.text_first,
               "quality": asdict(config.filters), "dedup": asdict(config.dedup)}

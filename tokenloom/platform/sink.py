@@ -114,6 +114,12 @@ class ShardSink(Datasink):
                     if "note" in block.column_names:
                         out.pool_notes.update((pool, _reason_class(note)) for note in
                                               pc.filter(block.column("note"), mine).to_pylist() if note)
+                if "sound_node" in block.column_names:  # video rows passed the sound stage, on the audio pool
+                    staged = pc.is_valid(block.column("sound_node"))
+                    out.pool_records["video_sound"] += int(pc.sum(pc.cast(staged, pa.int64())).as_py())
+                    out.pool_tokens["video_sound"] += int(pc.sum(pc.filter(lengths, staged)).as_py() or 0)
+                    out.pool_nodes.update(("video_sound", node) for node in
+                                          pc.filter(block.column("sound_node"), staged).to_pylist())
             good, bad, good_keys, filtered = self._split(block)
             good_parts.append(good)
             bad_parts.append(bad)

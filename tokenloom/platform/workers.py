@@ -42,6 +42,7 @@ OUT_SCHEMA = pa.schema(
         pa.field("pool", pa.string()),  # the pool that tokenized the record (per-pool figures)
         pa.field("node", pa.string()),  # the Ray node it ran on (placement by pool label)
         pa.field("note", pa.string()),  # what was dropped from a kept sample (a video's broken sound track)
+        pa.field("sound_node", pa.string()),  # video rows: the Ray node their sound was tokenized on (audio pool)
     ]
 )
 
@@ -109,6 +110,7 @@ def _output(pool: str, batch: pa.Table, token_lists: list, segments: list, error
             pa.array([pool] * batch.num_rows, pa.string()),
             pa.array([_node_id()] * batch.num_rows, pa.string()),
             pa.array(notes if notes is not None else [None] * batch.num_rows, pa.string()),
+            pa.nulls(batch.num_rows, pa.string()),
         ],
         schema=OUT_SCHEMA,
     )
@@ -363,19 +365,32 @@ class AudioPoolWorker(TextPoolWorker):
                              [m is not None for m in media])
 
 
-class VideoPoolWorker(TextPoolWorker):
-    """Video files with their captions, into one sample each, on the visual pool's resources.
+# what the video pool hands the sound stage beside each record (`VideoPoolWorker` -> `VideoSoundPoolWorker`)
+VIDEO_STAGE_FIELDS = [
+    pa.field("frames", pa.large_binary()),  # visual codes, int32 [K, h, w] in C order
+    pa.field("frames_shape", pa.list_(pa.int32())),  # (K, h, w)
+    pa.field("times", pa.list_(pa.int64())),  # each frame's time, ms
+    pa.field("sound", pa.large_binary()),  # the sound track, mono float32 at 16 kHz; null without one
+    pa.field("video_hash", pa.string()),  # dedup key of frames, sound and caption
+    pa.field("video_note", pa.string()),  # what was dropped (a broken sound track)
+    pa.field("frames_node", pa.string()),  # the Ray node the frames were tokenized on
+]
 
-    Frames are sampled at `ingest.video.fps` and tokenized by the visual tokenizer (resized into
-    `max_frame_pixels`, all frames of a video at one grid size, encoded in batches); the sound track
-    is resampled to 16 kHz and tokenized by the RVQ audio tokenizer, and each frame is followed by the
-    audio frames of its interval: `<bos><bov> [frame 0] [its sound] [frame 1] ... <eov> caption <eos>`
-    (`tokenizers.sequence.VideoPart`), or caption first for the `ingest.text_first` share. Unusable
-    files are quarantined with the reason (`datasets/video.py`); a sound track that does not decode
-    is dropped and the sample kept, with a note.
+
+class VideoPoolWorker:
+    """Video files, first stage: frames on the video pool (the visual pool's nodes and resources).
+
+    Each file is probed and bounded before decoding, its frames sampled at `ingest.video.fps` and
+    tokenized by the visual tokenizer (resized into `max_frame_pixels`, all frames of a video at one
+    grid size, encoded in batches), and its sound track decoded and resampled to 16 kHz (blocks of the
+    audio bundle's `chunk_seconds`, as the audio pool reads files). The record leaves with its frame
+    codes, the decoded sound and the dedup key (`VIDEO_STAGE_FIELDS`) for the second stage,
+    `VideoSoundPoolWorker` on the audio pool, which RVQ-encodes the sound and lays out the sample.
+    Unusable files carry their reason in `error` (`datasets/video.py`); a sound track that does not
+    decode is dropped and the video kept, with a note.
     """
 
-    needs = ("text", "visual", "audio")
+    needs = ("visual", "audio")  # the audio bundle's config only (its rate and block length), not its weights
     pool = "video"
 
     @_names_pool
@@ -385,25 +400,37 @@ class VideoPoolWorker(TextPoolWorker):
         import torch
 
         from tokenloom.datasets.video import VideoConfig
-        from tokenloom.tokenizers.audio import load_audio
+        from tokenloom.tokenizers.audio.train import config_from_dict
+        from tokenloom.tokenizers.bundle import load_info
         from tokenloom.tokenizers.visual import load_visual
 
-        super().__init__(bundle_paths, vocab, text_first, quality, dedup, guard)
         manifest = VocabManifest.from_dict(vocab)
+        self.guard = BatchGuard(**guard, pool=self.pool) if guard else None
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu":
             torch.set_num_threads(1)
         self.video = VideoConfig(**(video or {}))
         self.visual = load_visual(bundle_paths["visual"]).to(self.device)
-        self.audio = load_audio(bundle_paths["audio"]).to(self.device)
+        self.sound = config_from_dict(load_info(bundle_paths["audio"]).config["config"])
         if self.visual.num_codes > manifest.visual.size:
             raise ValueError(f"visual bundle has {self.visual.num_codes} codes but the manifest's visual range "
                              f"holds {manifest.visual.size}")
-        if len(manifest.audio) != self.audio.levels:
-            raise ValueError(f"audio bundle has {self.audio.levels} levels but the manifest has {len(manifest.audio)}")
-        if self.layout.bov is None:
-            raise ValueError("the vocabulary manifest has no <bov>/<eov> specials")
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.guard is None:
+            return self.tokenize(batch)
+        return self.guard.run(batch, self.tokenize, self.quarantined)
+
+    def _with(self, batch: pa.Table, errors: list, columns: dict[str, list]) -> pa.Table:
+        n = batch.num_rows
+        out = batch.set_column(batch.schema.get_field_index("error"), "error", pa.array(errors, pa.string()))
+        for f in VIDEO_STAGE_FIELDS:
+            out = out.append_column(f, pa.array(columns.get(f.name, [None] * n), f.type))
+        return out
+
+    def quarantined(self, batch: pa.Table, reason: str) -> pa.Table:
+        return self._with(batch, [reason] * batch.num_rows, {})
 
     def _frames_codes(self, pixels: np.ndarray) -> np.ndarray:
         """[K, H, W, 3] uint8 frames -> [K, h, w] visual codes at the video pixel budget."""
@@ -419,33 +446,26 @@ class VideoPoolWorker(TextPoolWorker):
                 out.append(self.visual.encode(resize_images(x, size).to(self.device)).cpu().numpy())
         return np.concatenate(out)
 
-    def _encode(self, path: str, caption: str | None) -> tuple[VideoPart, str, str | None]:
-        """(the video part, its content hash, a note) of one file; VideoProblem when unusable."""
-        from tokenloom.datasets.video import interval_starts, probe, read_sound, sample_frames
-        from tokenloom.tokenizers.audio import encode_long
+    def _encode(self, path: str, caption: str | None) -> dict:
+        """One file's stage output (`VIDEO_STAGE_FIELDS` by name); VideoProblem when unusable."""
+        from tokenloom.datasets.video import probe, read_sound, sample_frames
 
         info = probe(path, self.video)
         frames = sample_frames(path, self.video, info)
-        codes = self._frames_codes(frames.pixels)
-        blocks, note = read_sound(path, self.audio.cfg.chunk_seconds, self.audio.cfg.sample_rate)
-        sound_hash = None
-        if blocks is None:
-            return VideoPart(codes, frames.times), keys.video_hash(frames.pixels, None, caption), note
-        hasher = keys.AudioHasher()
-
-        def hashed(blocks):
+        codes = self._frames_codes(frames.pixels).astype(np.int32)
+        blocks, note = read_sound(path, self.sound.chunk_seconds, self.sound.sample_rate)
+        sound, sound_hash = None, None
+        if blocks is not None:
+            hasher = keys.AudioHasher()
+            wav = []
             for block in blocks:
                 hasher.update(block)
-                yield block
-
-        audio = encode_long(self.audio, hashed(blocks))
-        sound_hash = hasher.hexdigest(None)
-        rate = self.audio.cfg.frame_rate
-        starts = interval_starts(frames.times, len(audio), rate)
-        ends = np.r_[starts[1:], len(audio)]
-        part = VideoPart(codes, frames.times, tuple(audio[a:b] for a, b in zip(starts, ends, strict=True)),
-                         np.round(starts * 1000 / rate).astype(np.int64))
-        return part, keys.video_hash(frames.pixels, sound_hash, caption), None
+                wav.append(np.asarray(block, dtype=np.float32))
+            sound, sound_hash = np.concatenate(wav).tobytes(), hasher.hexdigest(None)
+        return {"frames": codes.tobytes(), "frames_shape": list(codes.shape),
+                "times": [int(t) for t in frames.times], "sound": sound,
+                "video_hash": keys.video_hash(frames.pixels, sound_hash, caption), "video_note": note,
+                "frames_node": _node_id()}
 
     def tokenize(self, batch: pa.Table) -> pa.Table:
         from tokenloom.datasets.video import VideoProblem
@@ -453,19 +473,107 @@ class VideoPoolWorker(TextPoolWorker):
         errors = batch.column("error").to_pylist()
         payloads = batch.column("payload").to_pylist()
         media = batch.column("media").to_pylist()
-        n = batch.num_rows
-        notes: list[str | None] = [None] * n
-        videos: dict[int, VideoPart] = {}
-        marks = _Marks(n)
+        columns: dict[str, list] = {f.name: [None] * batch.num_rows for f in VIDEO_STAGE_FIELDS}
         for i, err in enumerate(errors):
             if err is None and media[i] is not None:
                 try:
-                    videos[i], marks.hashes[i], notes[i] = self._encode(media[i], payloads[i])
+                    got = self._encode(media[i], payloads[i])
                 except VideoProblem as exc:
                     errors[i] = str(exc)
                     continue
-                marks.modality[i] = "video"
-        return self._samples(batch, errors, marks, videos, [m is not None for m in media], notes)
+                for name, value in got.items():
+                    columns[name][i] = value
+        return self._with(batch, errors, columns)
 
 
-WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker, "audio": AudioPoolWorker, "video": VideoPoolWorker}
+class VideoSoundPoolWorker(TextPoolWorker):
+    """Video files, second stage: the sound on the audio pool (its nodes and resources).
+
+    The sound track the video pool decoded (`VideoPoolWorker`) is RVQ-encoded by the audio
+    tokenizer (`encode_long`, as audio files are) and each frame is followed by the audio frames of
+    its interval: `<bos><bov> [frame 0] [its sound] [frame 1] ... <eov> caption <eos>`
+    (`tokenizers.sequence.VideoPart`), or caption first for the `ingest.text_first` share. Records
+    the first stage quarantined pass through with their reason; its notes stay with the sample. The
+    rows count for the video pool at the sink (`pool` = "video", `node` = where the frames ran), and
+    `sound_node` says where this stage ran (every row it passed, for the `video_sound` figures).
+    """
+
+    needs = ("text", "audio")
+    pool = "video"
+
+    @_names_pool
+    def __init__(self, bundle_paths: dict[str, str], vocab: dict, text_first: float = 0.0,
+                 quality: dict | None = None, dedup: dict | None = None, guard: dict | None = None):
+        import torch
+
+        from tokenloom.tokenizers.audio import load_audio
+
+        super().__init__(bundle_paths, vocab, text_first, quality, dedup, guard)
+        self.guard = BatchGuard(**guard, pool="video_sound") if guard else None  # its own journal entries
+        manifest = VocabManifest.from_dict(vocab)
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            torch.set_num_threads(1)
+        self.audio = load_audio(bundle_paths["audio"]).to(self.device)
+        if len(manifest.audio) != self.audio.levels:
+            raise ValueError(f"audio bundle has {self.audio.levels} levels but the manifest has {len(manifest.audio)}")
+        if self.layout.bov is None:
+            raise ValueError("the vocabulary manifest has no <bov>/<eov> specials")
+
+    def _part(self, frames: bytes, shape: list[int], times: list[int], sound: bytes | None) -> VideoPart:
+        from tokenloom.datasets.video import interval_starts
+        from tokenloom.tokenizers.audio import encode_long
+
+        codes = np.frombuffer(frames, dtype=np.int32).reshape(shape).astype(np.int64)
+        times = np.asarray(times, dtype=np.int64)
+        if sound is None:
+            return VideoPart(codes, times)
+        audio = encode_long(self.audio, [np.frombuffer(sound, dtype=np.float32)])
+        rate = self.audio.cfg.frame_rate
+        starts = interval_starts(times, len(audio), rate)
+        ends = np.r_[starts[1:], len(audio)]
+        return VideoPart(codes, times, tuple(audio[a:b] for a, b in zip(starts, ends, strict=True)),
+                         np.round(starts * 1000 / rate).astype(np.int64))
+
+    def quarantined(self, batch: pa.Table, reason: str) -> pa.Table:
+        return self._with_nodes(super().quarantined(batch, reason), batch)
+
+    @staticmethod
+    def _with_nodes(out: pa.Table, batch: pa.Table) -> pa.Table:
+        """The video pool's rows: `node` where the frames ran, `sound_node` where the sound ran."""
+        frames_node = batch.column("frames_node")  # null where the first stage had nothing to decode
+        out = out.set_column(out.schema.get_field_index("node"), "node", frames_node)
+        return out.set_column(out.schema.get_field_index("sound_node"), "sound_node",
+                              pa.array([_node_id()] * batch.num_rows, pa.string()))
+
+    def tokenize(self, batch: pa.Table) -> pa.Table:
+        errors = batch.column("error").to_pylist()
+        media = batch.column("media").to_pylist()
+        cols = {name: batch.column(name).to_pylist() for name in ("frames", "frames_shape", "times", "sound",
+                                                                  "video_hash", "video_note")}
+        videos: dict[int, VideoPart] = {}
+        marks = _Marks(batch.num_rows)
+        for i, err in enumerate(errors):
+            if err is None and media[i] is not None:
+                videos[i] = self._part(cols["frames"][i], cols["frames_shape"][i], cols["times"][i], cols["sound"][i])
+                marks.modality[i], marks.hashes[i] = "video", cols["video_hash"][i]
+        out = self._samples(batch, errors, marks, videos, [m is not None for m in media], cols["video_note"])
+        return self._with_nodes(out, batch)
+
+
+WORKERS = {"text": TextPoolWorker, "image": ImagePoolWorker, "audio": AudioPoolWorker, "video": VideoPoolWorker,
+           "video_sound": VideoSoundPoolWorker}
+# the stages a modality's records pass through, in order (each a `WORKERS` entry), and the pool
+# whose resources and bounds a stage runs on (`ingest.pools`), where it is not the stage's own
+STAGES = {"video": ("video", "video_sound")}
+STAGE_POOL = {"video_sound": "audio"}
+
+
+def stages(modality: str) -> tuple[str, ...]:
+    return STAGES.get(modality, (modality,))
+
+
+def needs(modality: str) -> set[str]:
+    """The tokenizer bundles a modality's stages need."""
+    return {kind for stage in stages(modality) for kind in WORKERS[stage].needs}
