@@ -39,11 +39,13 @@ def text_sample(rng, n=30):
     return LAYOUT.assemble([_text(rng, n - 2)])
 
 
-def write_shard(path, samples) -> ShardFile:
-    pq.write_table(pa.table({
-        "tokens": pa.array([t.tolist() for t, _ in samples], pa.list_(pa.int32())),
-        "segments": pa.array([s for _, s in samples], pa.list_(SEGMENT_TYPE)),
-    }), path)
+def write_shard(path, samples, sample_ids=None) -> ShardFile:
+    """A token shard of (tokens, segments) samples; with `sample_ids`, their ids too."""
+    columns = {"tokens": pa.array([t.tolist() for t, _ in samples], pa.list_(pa.int32())),
+               "segments": pa.array([s for _, s in samples], pa.list_(SEGMENT_TYPE))}
+    if sample_ids is not None:
+        columns["sample_id"] = pa.array(list(sample_ids), pa.string())
+    pq.write_table(pa.table(columns), path)
     return ShardFile(str(path), len(samples))
 
 

@@ -129,25 +129,31 @@ def test_replacing_sources_is_one_snapshot_with_exact_rows_stats_and_checksums(c
 
 def test_additions_are_the_new_rows_of_each_snapshot_not_the_rewritten_ones(catalog):
     """What follow mode reads of each later snapshot (`TokenCatalog.additions`): an append's files,
-    and of a snapshot that replaced a source only its job's own rows; the files it rewrote hold
-    rows streamed already (a trainer that read them would see those rows twice)."""
+    and of a snapshot that replaced a source only its job's own rows, with the sample ids it
+    deleted; the files it rewrote hold rows streamed already (a trainer that read them would see
+    those rows twice)."""
     def sample_ids(files) -> list[str]:
         return sorted(x for f in files for x in pq.read_table(f.path.removeprefix("file://"),
                                                               columns=["sample_id"])["sample_id"].to_pylist())
 
-    base = commit(catalog, "ds", "job-1", rows(24, "job-1")).snapshot_id
+    first = rows(24, "job-1")
+    base = commit(catalog, "ds", "job-1", first).snapshot_id
     commit(catalog, "ds", "job-2", rows(6, "job-2", start=50))
     replacement = rows(5, "job-3", start=100).set_column(1, "source", pa.array(["src1.txt"] * 5))
     third = commit(catalog, "ds", "job-3", replacement, delete_sources=["src1.txt"])
     added = catalog.additions("ds", base)
-    assert [s.snapshot_id for s, _ in added] == [s.snapshot_id for s in catalog.history("ds")[1:]]
-    assert sample_ids(added[0][1]) == sorted(f"job-2-{i}" for i in range(50, 56))
-    assert sample_ids(added[1][1]) == sorted(f"job-3-{i}" for i in range(100, 105)), "rewritten rows are not new"
-    assert len(catalog.data_files("ds", third.snapshot_id)) > len(added[1][1]) + 1, "the job did rewrite files"
-    # every row of the current snapshot is in the base or in exactly one addition, or was deleted
-    seen = sample_ids(catalog.data_files("ds", base)) + [x for _, files in added for x in sample_ids(files)]
+    assert [a.snapshot.snapshot_id for a in added] == [s.snapshot_id for s in catalog.history("ds")[1:]]
+    assert sample_ids(added[0].files) == sorted(f"job-2-{i}" for i in range(50, 56)) and added[0].deleted == []
+    assert sample_ids(added[1].files) == sorted(f"job-3-{i}" for i in range(100, 105)), "rewritten rows are not new"
+    assert len(catalog.data_files("ds", third.snapshot_id)) > len(added[1].files) + 1, "the job did rewrite files"
+    second = catalog.scan("ds", at=added[0].snapshot.snapshot_id)
+    old_src1 = sorted(i for i, src in zip(second["sample_id"].to_pylist(), second["source"].to_pylist(), strict=True)
+                      if src == "src1.txt")  # job-1's six and job-2's one
+    assert added[1].deleted == old_src1 and len(old_src1) == 7
+    # every row of the current snapshot is in the base or in exactly one addition; the rest were deleted
+    seen = sample_ids(catalog.data_files("ds", base)) + [x for a in added for x in sample_ids(a.files)]
     assert len(seen) == len(set(seen))
-    assert set(catalog.scan("ds")["sample_id"].to_pylist()) <= set(seen)
+    assert sorted(catalog.scan("ds")["sample_id"].to_pylist()) == sorted(set(seen) - set(old_src1))
     assert catalog.additions("ds", third.snapshot_id) == []
     with pytest.raises(ValueError, match="not an ancestor"):
         catalog.additions("ds", 12345)

@@ -310,6 +310,19 @@ def test_generate_from_the_command_line(demo_home, tmp_path):
                     "--out", tmp_path / "hello.wav", "--json", home=home)
     info = sf.info(tmp_path / "hello.wav")
     assert 1 <= speech["frames"] <= 20 and info.frames == speech["frames"] * 320  # 50 frames/s at 16 kHz
+    # a video: 2 frames a second, each followed by its 0.5 s of sound (25 audio frames), as an MP4
+    video = _local("generate", model, "--to", "video", "--prompt", "Shapes glide.", "--seconds", "1", "--grid", "2x3",
+                   "--out", tmp_path / "clip.mp4", "--json", home=home)
+    assert (video["grid"], video["frames"], video["times"], video["audio_frames"]) == ([2, 3], 2, [0, 500], 50)
+    levels = (video["sampled"] - 2 * 2 * 3) / 50  # every code sampled: 12 frame codes, 50 frames x L levels
+    assert levels == int(levels) >= 1
+    import av
+
+    with av.open(str(tmp_path / "clip.mp4")) as clip:
+        frames = list(clip.decode(clip.streams.video[0]))
+        assert [round(float(f.time) * 1000) for f in frames] == [0, 500]
+        assert frames[0].width * 2 == frames[0].height * 3 and frames[0].width // 3 in (8, 16)
+        assert clip.streams.audio and clip.duration / 1e6 == pytest.approx(1.0, abs=0.1)
 
     tiny = tmp_path / "tiny.png"
     Image.new("RGB", (4, 4), "red").save(tiny)
@@ -324,7 +337,8 @@ def test_generate_from_the_command_line(demo_home, tmp_path):
         ((model, "--to", "image", "--grid", "four"), "--grid takes ROWSxCOLS"),
         ((model, "--to", "text", "--image", tiny), "cell"),
         ((model, "--to", "text", "--image", tmp_path / "missing.png"), "no image file"),
-        ((model, "--to", "video"), "--to must be one of"),
+        ((model, "--to", "smell"), "--to must be one of"),
+        ((model, "--to", "video", "--seconds", "0"), "--seconds must be positive"),
         ((model, "--to", "text", "--prompt", "word " * 5000), "context"),
         ((unknown, "--to", "image"), "visual-nope"),
     ]:

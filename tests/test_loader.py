@@ -41,7 +41,8 @@ def _files(tmp_path, prefix="m", n_files=3, per_file=12, seed=5):
                                                 _text(rng, 3)]))
             else:
                 samples.append(LAYOUT.assemble([_text(rng, int(rng.integers(1, 68)))]))
-        files.append(write_shard(tmp_path / f"{prefix}{f}.parquet", samples))
+        files.append(write_shard(tmp_path / f"{prefix}{f}.parquet", samples,
+                                 [f"{prefix}{f}-{k}" for k in range(len(samples))]))
     return files
 
 
@@ -175,6 +176,50 @@ def test_a_followed_snapshot_is_read_once_from_the_next_row_and_resumes(tmp_path
     it3 = resumed.batches(2)
     for want, got in zip(after[2:12], [next(it3) for _ in range(10)], strict=True):
         np.testing.assert_array_equal(want["ids"], got["ids"])
+
+
+def test_samples_a_followed_snapshot_deleted_are_not_read_again_and_its_new_rows_are(tmp_path):
+    """A snapshot replaced a file: its 8 old samples (marked OLD) are deleted and 4 new ones (NEW)
+    reuse 4 of their ids. Once the rows pulled before the follow are out, no row holds an OLD
+    token again, over several epochs (without the deletion they keep coming back); every NEW
+    sample is read exactly once; a state saved after the follow resumes to the same rows."""
+    old_id, new_id = MANIFEST.text.size - 1, MANIFEST.text.size - 2
+    base = tuple(_files(tmp_path, seed=8)) + (write_shard(
+        tmp_path / "doc-v1.parquet", [LAYOUT.assemble([TextPart(np.full(k + 3, old_id))]) for k in range(8)],
+        [f"doc-{k}" for k in range(8)]),)
+    replaced = write_shard(tmp_path / "doc-v2.parquet",
+                           [LAYOUT.assemble([TextPart(np.full(k + 5, new_id))]) for k in range(4)],
+                           [f"doc-{k}" for k in range(4)])
+
+    def count(batch, local):  # positions holding this text id (rows hold unified ids)
+        return int((batch["ids"][..., 0] == MANIFEST.text.start + local).sum())
+
+    def run(deleted, steps=60):
+        loader = Loader([Source("d", base)], CFG, 4)
+        it = loader.batches(2)
+        before = [next(it) for _ in range(3)]
+        segment = loader.follow("d", 7, [replaced], deleted)
+        return loader, it, before, [next(it) for _ in range(steps)], segment
+
+    control = run(())[3]
+    loader, it, before, after, segment = run([f"doc-{k}" for k in range(8)])
+    assert segment.deleted == tuple(f"doc-{k}" for k in range(8)) and segment.from_row == 6
+    drained = CFG.pack_window * 2  # a reader's pulled pieces are packed within pack_window of its rows
+    assert sum(count(b, old_id) for b in control[drained:]) > 0, "without the deletion OLD samples come back"
+    assert sum(count(b, old_id) for b in after[drained:]) == 0, "deleted samples are never read again"
+    assert sum(count(b, new_id) for b in after) == sum(k + 5 for k in range(4)), "new rows once, ids reused or not"
+    assert loader.removed > 0
+    # resumed from a state saved after the follow: the same rows
+    state = LoaderState.from_dict(loader.state().to_dict())
+    assert state.segments[0].deleted == segment.deleted
+    resumed = Loader([Source("d", base)], CFG, 4, state=state).batches(2)
+    rest = [next(it) for _ in range(12)]
+    for want, got in zip(rest, [next(resumed) for _ in range(12)], strict=True):
+        np.testing.assert_array_equal(want["ids"], got["ids"])
+    # a snapshot that only deleted is a segment too; one that did neither is none
+    only = Loader([Source("d", base)], CFG, 4)
+    assert only.follow("d", 8, [], ["doc-0"]).files == () and only.follow("d", 9, []) is None
+    next(only.batches(2))
 
 
 def test_a_one_pass_stream_ends_and_may_be_empty_for_a_rank(tmp_path):

@@ -964,26 +964,28 @@ def rl_command(
 @_user_errors
 def generate_command(
     source: Annotated[Path, typer.Argument(help="A training run folder or a model folder.")],
-    to: Annotated[str, typer.Option("--to", help="What to generate: text, image or audio.")],
+    to: Annotated[str, typer.Option("--to", help="What to generate: text, image, audio or video.")],
     prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text (after any media).")] = None,
     image: Annotated[Path | None, typer.Option("--image", help="An image to caption (or to continue from).")] = None,
     audio: Annotated[Path | None, typer.Option("--audio", help="A recording to transcribe.")] = None,
-    grid: Annotated[str | None, typer.Option("--grid", help="Image size in codes, ROWSxCOLS (default: the visual "
-                                             "tokenizer's training crop).")] = None,
-    seconds: Annotated[float, typer.Option("--seconds", help="Audio: at most this long.")] = 2.0,
+    grid: Annotated[str | None, typer.Option("--grid", help="Image (or video frame) size in codes, ROWSxCOLS "
+                                             "(default: the visual tokenizer's training crop; a video: a 4:3 "
+                                             "frame within ingest.video's frame budget).")] = None,
+    seconds: Annotated[float, typer.Option("--seconds", help="Audio: at most this long; video: this long.")] = 2.0,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Text: at most this many tokens.")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", help="0 for greedy.")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k likeliest (0: all).")] = 0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    out: Annotated[Path | None, typer.Option("--out", help="File to write (text, PNG or WAV); default: under "
+    out: Annotated[Path | None, typer.Option("--out", help="File to write (text, PNG, WAV or MP4); default: under "
                                              "home/generations/.")] = None,
     pools: Annotated[str, typer.Option("--pools", help="Tokenize the prompt here (local) or through the "
                                        "long-lived tokenizer services of `pools up` (service).")] = "local",
     home: HomeOpt = None, json_out: JsonOpt = False,
 ):
     """Generate from a trained model: continue text, caption an image, transcribe audio, draw an
-    image or speak a text, with the model's own tokenizers (KV-cache decoding)."""
+    image, speak a text or make a video with its sound, with the model's own tokenizers (KV-cache
+    decoding)."""
     from tokenloom.jobs import generate as jobs
     from tokenloom.jobs.home import Home
 

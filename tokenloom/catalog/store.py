@@ -64,6 +64,17 @@ class CatalogConfig:
         return CatalogConfig(uri, warehouse, self.namespace, self.name)
 
 
+def _sample_ids(paths: list[str]) -> list[str]:
+    """The `sample_id` column of data files, read alone."""
+    import pyarrow.parquet as pq
+
+    out: list[str] = []
+    for uri in paths:
+        filesystem, path = filesystem_and_path(uri)
+        out += pq.read_table(path, columns=["sample_id"], filesystem=filesystem)["sample_id"].to_pylist()
+    return out
+
+
 @dataclass(frozen=True)
 class SnapshotInfo:
     snapshot_id: int
@@ -82,6 +93,17 @@ class DataFile:
     path: str
     record_count: int
     size_bytes: int
+
+
+
+@dataclass(frozen=True)
+class Addition:
+    """What one snapshot changed, for a reader that follows a dataset (`TokenCatalog.additions`):
+    the data files of its new rows and the sample ids it deleted."""
+
+    snapshot: SnapshotInfo
+    files: list[DataFile]
+    deleted: list[str]
 
 
 class TokenCatalog:
@@ -300,19 +322,21 @@ class TokenCatalog:
                 for path in plan.added + files:
                     overwrite.append_data_file(parquet_file_to_data_file(table.io, tx.table_metadata, path))
 
-    def additions(self, name: str, since: int) -> list[tuple[SnapshotInfo, list[DataFile]]]:
+    def additions(self, name: str, since: int) -> list[Addition]:
         """The snapshots committed after `since` up to the current one, oldest first, each with the
-        data files its job added: new rows only. A job that deleted rows (`commit_job`'s
-        `delete_sources`) also added the files it rewrote without them; those hold rows the table
-        had before (`rewrite_checksums_file` names them) and are not additions. Raises ValueError
-        when `since` is no longer an ancestor of the current snapshot (a rollback)."""
+        data files of its new rows and the sample ids it deleted. A job that deleted rows
+        (`commit_job`'s `delete_sources`) dropped the files holding them and added those files
+        rewritten without them (`rewrite_checksums_file` names the rewrites): the rewrites hold rows
+        the table had before, so they are not new rows, and the deleted samples are the dropped
+        files' rows that no rewrite kept. Raises ValueError when `since` is no longer an ancestor of
+        the current snapshot (a rollback)."""
         current = self.snapshot(name)
         chain = self.ancestry(name, current) if current is not None else []
         ids = [s.snapshot_id for s in chain]
         if since not in ids:
             raise ValueError(f"snapshot {since} of {name!r} is not an ancestor of the current snapshot "
                              f"{ids[-1] if ids else None}")
-        before = {f.path for f in self.data_files(name, since)}
+        before = {f.path: f for f in self.data_files(name, since)}
         out = []
         for snap in chain[ids.index(since) + 1 :]:
             files = self.data_files(name, snap.snapshot_id)
@@ -326,8 +350,15 @@ class TokenCatalog:
                 except (OSError, ValueError) as exc:
                     raise OSError(f"snapshot {snap.snapshot_id} of {name!r} rewrote files but their record "
                                   f"{side} is unreadable ({exc}): cannot tell its new rows from kept ones") from exc
-            out.append((snap, [f for f in files if f.path not in before and f.path not in rewritten]))
-            before = {f.path for f in files}
+            now = {f.path for f in files}
+            dropped = [p for p in before if p not in now]
+            deleted: list[str] = []
+            if dropped:
+                kept = set(_sample_ids([f.path for f in files if f.path in rewritten]))
+                deleted = sorted(set(_sample_ids(dropped)) - kept)
+            out.append(Addition(snap, [f for f in files if f.path not in before and f.path not in rewritten],
+                                deleted))
+            before = {f.path: f for f in files}
         return out
 
     # -- reads ----------------------------------------------------------------------------

@@ -21,7 +21,11 @@ Follow mode (`train --follow`). A snapshot committed to a source during training
 everything else) before the reader draws from its sources again. A segment starts at the global
 row where the trainer learnt of it (`Segment.from_row`), so a reader's rows before that never
 change, segments are read in commit order, and every sample of a segment is trained exactly once.
-Segments are part of the state, so a resumed run rebuilds them.
+Segments are part of the state, so a resumed run rebuilds them. A snapshot that deleted samples
+(a replaced or removed input file) names them in its segment (`Segment.deleted`, sample ids): from
+the segment on, the reader's streams of that source that existed before it (the source's own, and
+earlier segments) never read them again (`TokenStream.exclude`); the segment's own new rows are
+read, even where a new row keeps the id of a deleted one (a changed file's records).
 
 Stages (context extension) are the trainer's: it builds a new `Loader` per stage with that
 stage's `seq_len` and weights and the stage index, which seeds it.
@@ -60,15 +64,16 @@ class Segment:
     snapshot_id: int
     files: tuple[ShardFile, ...]
     from_row: int
+    deleted: tuple[str, ...] = ()  # sample ids the snapshot deleted
 
     def to_dict(self) -> dict:
         return {"source": self.source, "snapshot_id": self.snapshot_id, "from_row": self.from_row,
-                "files": [[f.path, f.num_rows] for f in self.files]}
+                "files": [[f.path, f.num_rows] for f in self.files], "deleted": list(self.deleted)}
 
     @staticmethod
     def from_dict(d: dict) -> Segment:
         return Segment(d["source"], int(d["snapshot_id"]), tuple(ShardFile(p, int(n)) for p, n in d["files"]),
-                       int(d["from_row"]))
+                       int(d["from_row"]), tuple(d.get("deleted", ())))
 
 
 @dataclass
@@ -138,6 +143,14 @@ class _Reader:
         self.segments: list[tuple[Segment, TokenStream | None]] = []  # None: read to its end
 
     def add(self, segment: Segment, state: dict | None = None) -> None:
+        if segment.deleted:  # the streams of its source so far stop reading what it deleted
+            self.streams[self.names.index(segment.source)].exclude(segment.deleted)
+            for earlier, stream in self.segments:
+                if earlier.source == segment.source and stream is not None:
+                    stream.exclude(segment.deleted)
+        if not segment.files:  # it only deleted
+            self.segments.append((segment, None))
+            return
         cfg = replace(self.config, seed=_seed(self.config.seed, "follow", segment.snapshot_id))
         stream = TokenStream(segment.files, cfg, rank=self.index, world_size=self.readers, passes=1)
         if state == "done":
@@ -208,15 +221,17 @@ class Loader:
         if state is not None:
             self.load(state)
 
-    def follow(self, source: str, snapshot_id: int, files: Sequence[ShardFile]) -> Segment | None:
-        """Read the files a new snapshot of `source` added once, from the next global row on
-        (every rank calls this at the same step). None when they hold no sample."""
+    def follow(self, source: str, snapshot_id: int, files: Sequence[ShardFile],
+               deleted: Sequence[str] = ()) -> Segment | None:
+        """Read the files a new snapshot of `source` added once, from the next global row on, and
+        stop reading the samples it `deleted` (every rank calls this at the same step). None when it
+        added no sample and deleted none."""
         if source not in {s.name for s in self.sources}:
             raise ValueError(f"follow: {source!r} is not a source of this run")
         files = tuple(f for f in files if f.num_rows > 0)
-        if not files:
+        if not files and not deleted:
             return None
-        segment = Segment(source, int(snapshot_id), files, self.rows)
+        segment = Segment(source, int(snapshot_id), files, self.rows, tuple(sorted(set(deleted))))
         self.segments.append(segment)
         for reader in self.own.values():
             reader.add(segment)
@@ -263,6 +278,12 @@ class Loader:
     def skipped(self) -> int:
         """Samples this rank's readers skipped because a media segment is longer than a row."""
         return sum(s.state.skipped for r in self.own.values() for s in r.streams)
+
+    @property
+    def removed(self) -> int:
+        """Samples this rank's readers left out because a followed snapshot deleted them."""
+        return sum(s.state.removed for r in self.own.values()
+                   for s in [*r.streams, *(t for _, t in r.segments if t is not None)])
 
     def state(self) -> LoaderState:
         """This rank's view: global rows, its own readers' states, the segments."""

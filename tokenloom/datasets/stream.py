@@ -34,9 +34,14 @@ and counted. An audio sample whose windowed frames are followed by its transcrip
 document of its row (FlashMask's two intervals per column), as before. `batches` yields each
 row's fill ratio (non-padding positions / `seq_len`) as `fill_ratio` [B] beside the row keys.
 
+Deletions (follow mode). `exclude(sample_ids)` drops samples a later snapshot deleted: from then
+on, a pulled sample whose `sample_id` is excluded gives no piece and is counted (`removed`);
+pieces already pulled stay. The exclusions are not part of the state: whoever excludes (the
+loader, from its follow segments) excludes again on resume, at the same point.
+
 State. `StreamState` is the next sample to pull (epoch, rank-local cursor), the pieces pulled
 but not yet packed (each named by epoch, cursor and position range, in window order) and the
-count of skipped samples. The window is rebuilt from it on resume, so a stream saved after N
+counts of skipped and removed samples. The window is rebuilt from it on resume, so a stream saved after N
 rows and resumed yields exactly the rows an uninterrupted stream yields.
 """
 
@@ -116,9 +121,10 @@ class StreamState:
     cursor: int = 0  # the next rank-local sample (within the epoch) to pull into the packing window
     pending: tuple[PendingPiece, ...] = ()  # the packing window, in stream order
     skipped: int = 0  # samples skipped so far because a media segment is longer than a row
+    removed: int = 0  # samples not read because a later snapshot deleted them (`TokenStream.exclude`)
 
     def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped,
+        return {"epoch": self.epoch, "cursor": self.cursor, "skipped": self.skipped, "removed": self.removed,
                 "pending": [[p.epoch, p.cursor, p.start, p.stop] for p in self.pending]}
 
     @staticmethod
@@ -127,7 +133,8 @@ class StreamState:
             raise ValueError(f"stream state {d} was written by the concatenate-and-chunk packer (it has no packing "
                              "window); it cannot be resumed exactly by the best-fit packer: start the run afresh")
         pending = tuple(PendingPiece(*(int(x) for x in p)) for p in d["pending"])
-        return StreamState(int(d["epoch"]), int(d["cursor"]), pending, int(d.get("skipped", 0)))
+        return StreamState(int(d["epoch"]), int(d["cursor"]), pending, int(d.get("skipped", 0)),
+                           int(d.get("removed", 0)))
 
 
 def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: np.ndarray | None = None) -> Layout:
@@ -156,6 +163,18 @@ def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: 
         tokens = tokens.take(rows)
         segments = None if segments is None else segments.take(rows)
     return layout_table(tokens, segments, group_size, audio_window)
+
+
+def read_sample_ids(paths: Sequence[str], rows: np.ndarray) -> np.ndarray:
+    """The `sample_id` of `rows` (indices into the files' samples taken together, ascending)."""
+    columns = []
+    for path in paths:
+        filesystem, inner = filesystem_and_path(path)
+        if "sample_id" not in pq.read_schema(inner, filesystem=filesystem).names:
+            raise ValueError(f"token shard {path} has no sample_id column: deleted samples cannot be told apart")
+        columns.append(pq.read_table(inner, columns=["sample_id"], filesystem=filesystem).column("sample_id"))
+    ids = pa.chunked_array([c for col in columns for c in col.chunks], pa.string())
+    return np.asarray(ids.take(rows).to_pylist(), dtype=object)
 
 
 def held_out(file: ShardFile, fraction: float) -> np.ndarray:
@@ -217,11 +236,13 @@ class TokenStream:
             raise ValueError(f"stream.pack_window must be at least 1, got {config.pack_window}")
         self._order: EpochOrder | None = None
         # window index -> (the samples of its files this rank takes, laid out; for each place in the
-        # window's order, that sample's index in the layout, -1 where another rank's). One window in
-        # memory at a time, besides pieces still pending from older ones.
-        self._cache: dict[int, tuple[Layout, np.ndarray]] = {}
+        # window's order, that sample's index in the layout, -1 where another rank's; their sample
+        # ids when some are excluded, else None). One window in memory at a time, besides pieces
+        # still pending from older ones.
+        self._cache: dict[int, tuple[Layout, np.ndarray, np.ndarray | None]] = {}
         self._window = PackWindow()  # the packing window, its pieces named by `PendingPiece`
-        self._epoch = self._cursor = self._skipped = 0
+        self._epoch = self._cursor = self._skipped = self._removed = 0
+        self._excluded: frozenset[str] = frozenset()
         self._warned = False  # one warning per stream about skipped samples; the count says the rest
         self.state = state or StreamState()
 
@@ -239,9 +260,16 @@ class TokenStream:
 
     def _drop_cache(self) -> None:
         """Forget the window's layout; pieces still pending keep copies of their positions, not it."""
-        for layout, _ in self._cache.values():
+        for layout, _, _ in self._cache.values():
             self._window.detach(layout)
         self._cache.clear()
+
+    def exclude(self, sample_ids) -> None:
+        """Never read these samples again (a later snapshot deleted them); see the module docstring."""
+        more = self._excluded | frozenset(sample_ids)
+        if more != self._excluded:
+            self._excluded = more
+            self._drop_cache()  # read the windows again, with their sample ids
 
     def samples_per_epoch(self, epoch: int = 0) -> int:
         total = self._epoch_order(epoch).total
@@ -249,6 +277,11 @@ class TokenStream:
 
     def _raw(self, epoch: int, cursor: int) -> tuple[Layout, int]:
         """The laid-out window holding a rank-local sample, and the sample's index in it."""
+        layout, i, _ = self._raw_with_id(epoch, cursor)
+        return layout, i
+
+    def _raw_with_id(self, epoch: int, cursor: int) -> tuple[Layout, int, str | None]:
+        """`_raw`, and the sample's id when some samples are excluded (else None)."""
         order = self._epoch_order(epoch)
         global_index = cursor * self.world + self.rank
         w = int(np.searchsorted(order.window_starts, global_index, side="right") - 1)
@@ -257,13 +290,14 @@ class TokenStream:
             members, perm = order.windows[w]
             mine = (order.window_starts[w] + np.arange(len(perm))) % self.world == self.rank
             rows = np.sort(perm[mine])
-            layout = read_layout([order.files[i].path for i in members], self.group_size, self.config.audio_window,
-                                 rows)
+            paths = [order.files[i].path for i in members]
+            layout = read_layout(paths, self.group_size, self.config.audio_window, rows)
             where = np.full(len(perm), -1, dtype=np.int64)
             where[mine] = np.searchsorted(rows, perm[mine])
-            self._cache[w] = (layout, where)
-        layout, where = self._cache[w]
-        return layout, int(where[global_index - order.window_starts[w]])
+            self._cache[w] = (layout, where, read_sample_ids(paths, rows) if self._excluded else None)
+        layout, where, ids = self._cache[w]
+        i = int(where[global_index - order.window_starts[w]])
+        return layout, i, None if ids is None else ids[i]
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
         """The flat tokens of a rank-local sample."""
@@ -288,7 +322,10 @@ class TokenStream:
             self._epoch, self._cursor = self._epoch + 1, 0
         epoch, cursor = self._epoch, self._cursor
         self._cursor += 1
-        layout, i = self._raw(epoch, cursor)
+        layout, i, sample_id = self._raw_with_id(epoch, cursor)
+        if sample_id is not None and sample_id in self._excluded:
+            self._removed += 1
+            return
         length = layout.length(i)
         points = split_points(length, layout.media_of(i) if length > self.config.seq_len else (), self.config.seq_len)
         if points is None:
@@ -318,6 +355,9 @@ class TokenStream:
             self._pull()
             in_a_row = 0 if len(self._window) > before else in_a_row + 1
             if in_a_row > self.samples_per_epoch(self._epoch) and not len(self._window):
+                if self._removed:
+                    raise NoSampleFits(f"every sample of rank {self.rank} was deleted by a later snapshot or is "
+                                       f"longer than stream.seq_len {self.config.seq_len}: nothing left to stream")
                 raise NoSampleFits(f"no sample of rank {self.rank} fits a row of stream.seq_len "
                                    f"{self.config.seq_len} (each has a media segment longer than that): raise seq_len")
         if not len(self._window):
@@ -342,7 +382,7 @@ class TokenStream:
 
     @property
     def state(self) -> StreamState:
-        return StreamState(self._epoch, self._cursor, tuple(self._window.names()), self._skipped)
+        return StreamState(self._epoch, self._cursor, tuple(self._window.names()), self._skipped, self._removed)
 
     @state.setter
     def state(self, state: StreamState) -> None:
@@ -355,6 +395,7 @@ class TokenStream:
             self._add_pieces(window, layout, i, [p])
         self._window = window
         self._epoch, self._cursor, self._skipped = state.epoch, state.cursor, state.skipped
+        self._removed = state.removed
 
     def state_dict(self) -> dict:
         return self.state.to_dict()

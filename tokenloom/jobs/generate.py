@@ -1,5 +1,6 @@
 """Generation job: a prompt (text, an image file, an audio file) -> the model's own tokenizers ->
-KV-cache decoding (`model.generate`) -> text, a PNG or a WAV.
+KV-cache decoding (`model.generate`) -> text, a PNG, a WAV or an MP4 (a video: frames at
+`ingest.video.fps` within its frame pixel budget, with their sound when the model has audio).
 
 The model folder names its token space: `model.json` holds the vocabulary manifest it was
 trained on (written by the training job; older folders are found through their run's
@@ -28,8 +29,8 @@ from tokenloom.jobs.home import Home, model_folder
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
 from tokenloom.tokenizers.vocab import VocabManifest
 
-TARGETS = ("text", "image", "audio")
-SUFFIX = {"text": ".txt", "image": ".png", "audio": ".wav"}
+TARGETS = ("text", "image", "audio", "video")
+SUFFIX = {"text": ".txt", "image": ".png", "audio": ".wav", "video": ".mp4"}
 
 
 def model_manifest(home: Home, folder: Path, doc: dict) -> VocabManifest:
@@ -196,6 +197,27 @@ class Generator:
                              f"{cfg.max_pixels} pixels)")
         return h, w
 
+    def video_request(self, grid: tuple[int, int] | None, seconds: float) -> dict:
+        """A video's frame grid (default: a 4:3 frame within the ingestion's frame pixel budget, as
+        ingestion tokenizes frames), frames (`ingest.video.fps`) and audio frames per frame (the
+        audio tokenizer's frame rate over the frame interval; none when the model has no audio)."""
+        from tokenloom.datasets.video import VideoConfig
+        from tokenloom.tokenizers.visual import fit_to_budget
+
+        if seconds <= 0:
+            raise ValueError(f"--seconds must be positive, got {seconds}")
+        video, cfg = VideoConfig(), self.tokenizer("visual").cfg
+        if grid is None:
+            h, w = fit_to_budget(240, 320, video.max_frame_pixels, cfg.factor)
+            grid = (h // cfg.factor, w // cfg.factor)
+        rows, cols = self.image_grid(grid)
+        frame_ms = round(1000 / video.fps)
+        sound = 0
+        if self.vocab.audio and self.vocab.bundles.get("audio"):
+            sound = max(1, round(self.tokenizer("audio").cfg.frame_rate * frame_ms / 1000))
+        return {"grid": (rows, cols), "frames": max(1, round(seconds * video.fps)), "frame_ms": frame_ms,
+                "audio_per_frame": sound}
+
     def frames_for(self, seconds: float) -> int:
         if seconds <= 0:
             raise ValueError(f"--seconds must be positive, got {seconds}")
@@ -210,6 +232,28 @@ class Generator:
             if out is not None:
                 out.write_text(text + "\n")
             return text
+        if to == "video":
+            from tokenloom.jobs.tokenizer import _write_video
+            from tokenloom.tokenizers.visual import to_pixels
+
+            visual = self.tokenizer("visual")
+
+            def draw(part: ImagePart, target):
+                with torch.no_grad():
+                    return to_pixels(visual.decode(torch.from_numpy(part.codes)[None])[0])
+
+            decoders = {"visual": draw}
+            if part["video"].audio:
+                audio = self.tokenizer("audio")
+
+                def sound(part: AudioPart, target):
+                    with torch.no_grad():
+                        return audio.decode(torch.from_numpy(part.codes)[None])[0, 0].clamp(-1, 1).numpy()
+
+                sound.sample_rate = audio.cfg.sample_rate
+                decoders["audio"] = sound
+            _write_video(part["video"], out, decoders)
+            return str(out)
         if to == "image":
             from PIL import Image
 
@@ -252,8 +296,11 @@ def generate(home: Home, source: Path, to: str, prompt: str | None = None, image
         request.grid = gen.image_grid(grid)
     if to == "audio":
         request.max_frames = gen.frames_for(seconds)
+    if to == "video":
+        for key, value in gen.video_request(grid, seconds).items():
+            setattr(request, key, value)
     if to != "text":
-        gen.tokenizer("visual" if to == "image" else "audio")  # an unknown bundle fails before decoding
+        gen.tokenizer("audio" if to == "audio" else "visual")  # an unknown bundle fails before decoding
     if pools not in ("local", "service"):
         raise ValueError(f"--pools must be local or service, got {pools!r}")
     services = None
@@ -284,6 +331,12 @@ def generate(home: Home, source: Path, to: str, prompt: str | None = None, image
             doc["out"] = str(out)
     else:
         doc["out"] = result
-        doc["grid" if to == "image" else "frames"] = (list(made.parts[0]["image"].shape) if to == "image"
-                                                      else len(made.parts[0]["audio"]))
+        if to == "image":
+            doc["grid"] = list(made.parts[0]["image"].shape)
+        elif to == "audio":
+            doc["frames"] = len(made.parts[0]["audio"])
+        else:
+            video = made.parts[0]["video"]
+            doc.update(grid=list(video.frames.shape[1:]), frames=len(video.frames), times=video.times.tolist(),
+                       audio_frames=video.audio_frames)
     return doc

@@ -151,11 +151,11 @@ def _sources(home: Home, cfg, specs: list, pinned: dict[str, int]):
 
 
 def follower(home: Home, cfg, sources) -> object:
-    """Follow mode's poll: `poll(seen)` -> [(source, snapshot id, files of new rows)] for every
-    snapshot committed to a source after the one `seen` names, in commit order (`TokenCatalog.
-    additions`: a snapshot that replaced rows contributes its job's own files, not the files it
-    rewrote, whose rows were streamed already). Rows such a snapshot deleted stay in what the run
-    streamed before it (a warning says how many)."""
+    """Follow mode's poll: `poll(seen)` -> [(source, snapshot id, files of new rows, deleted sample
+    ids)] for every snapshot committed to a source after the one `seen` names, in commit order
+    (`TokenCatalog.additions`: a snapshot that replaced rows contributes its job's own files, not the
+    files it rewrote, whose rows were streamed already, and the ids of the rows it deleted, which
+    the run stops reading)."""
     def poll(seen: dict[str, int]) -> list:
         catalog = open_catalog(home, cfg)
         out = []
@@ -169,13 +169,9 @@ def follower(home: Home, cfg, sources) -> object:
                 log.warning("follow: %s's snapshot %s is no longer an ancestor of the current one; not following",
                             src.name, seen[src.name])
                 continue
-            for snap, files in added:
-                removed = int(snap.tokenloom.get("removed_samples", "0") or 0)
-                if removed:
-                    log.warning("follow: %s's snapshot %s deleted %d sample(s); the run keeps the ones it already "
-                                "streams (follow mode adds rows, it does not remove them)", src.name,
-                                snap.snapshot_id, removed)
-                out.append((src.name, snap.snapshot_id, [ShardFile(f.path, f.record_count) for f in files]))
+            for a in added:
+                out.append((src.name, a.snapshot.snapshot_id, [ShardFile(f.path, f.record_count) for f in a.files],
+                            a.deleted))
         return out
 
     return poll

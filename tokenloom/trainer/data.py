@@ -86,16 +86,17 @@ class RunData:
                 "rows_per_micro_batch": self.rows}
 
     def follow(self, step: int, snapshots: list) -> list[dict]:
-        """Read each (source, snapshot id, files it added) once, from the next row on (every rank
-        calls this with the same list); returns a record per segment that holds samples."""
+        """Read each (source, snapshot id, files of its new rows, sample ids it deleted) once, from
+        the next row on, and stop reading what it deleted (every rank calls this with the same
+        list); returns a record per segment that adds or deletes samples."""
         docs = []
-        for source, snapshot_id, files in snapshots:
+        for source, snapshot_id, files, *deleted in snapshots:
             self.seen[source] = snapshot_id
-            added = self.loader.follow(source, snapshot_id, files)
+            added = self.loader.follow(source, snapshot_id, files, deleted[0] if deleted else ())
             if added is not None:
                 docs.append({"source": added.source, "snapshot_id": added.snapshot_id, "files": len(added.files),
-                             "samples": sum(f.num_rows for f in added.files), "from_row": added.from_row,
-                             "step": step})
+                             "samples": sum(f.num_rows for f in added.files), "deleted": len(added.deleted),
+                             "from_row": added.from_row, "step": step})
         self.segments += docs
         return docs
 

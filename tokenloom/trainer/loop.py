@@ -138,7 +138,7 @@ def train(
     progress: bool = True,
     provenance: dict | None = None,
     init_state: dict[str, torch.Tensor] | None = None,
-    follow: Callable[[dict[str, int]], list[tuple[str, int, list[ShardFile]]]] | None = None,
+    follow: Callable[[dict[str, int]], list[tuple[str, int, list[ShardFile], list[str]]]] | None = None,
 ) -> TrainResult:
     """Train for `train_cfg.steps` (or up to `stop_after`), from step 0 or from the checkpoint
     `resume_from` (a checkpoint folder, a run's `checkpoint/` folder or a run folder: its newest
@@ -147,8 +147,8 @@ def train(
     `init_state`: a trained model's state dict to start from (`--init-from`, fine-tuning); a resumed
     checkpoint's weights replace it. `sources`: the datasets (a mixture) or one dataset's files.
     `follow`: called on rank 0 every `train.follow_every` steps with the newest snapshot streamed per
-    source; returns the snapshots committed since as (source, snapshot id, files it added), each then
-    read once (follow mode)."""
+    source; returns the snapshots committed since as (source, snapshot id, files of its new rows,
+    sample ids it deleted), each then read once and its deletions no longer read (follow mode)."""
     import deepspeed
 
     train_cfg.validate()
