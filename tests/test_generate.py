@@ -154,12 +154,12 @@ def test_generated_video_is_the_trained_layout(model, audio_per_frame):
     (frame rows predicted row by row, each audio frame by the position before it, level 1 by its
     level head), so the decoder's positions, segments and masks are the trained ones."""
     prompt = _positions([TextPart(np.arange(4))])
-    request = Request("video", grid=(2, 3), frames=3, frame_ms=100, audio_per_frame=audio_per_frame,
+    request = Request("video", grid=(2, 3), frames=3, fps=10.0, audio_per_frame=audio_per_frame,
                       audio_window=WINDOW)
     out = generate(model, SPACE, _chunk(prompt), Cursor.after(_chunk(prompt)), request,
                    SamplingConfig(temperature=1.0, seed=5))
-    video = out.parts[0]["video"]
-    assert isinstance(video, VideoPart) and video.frames.shape == (3, 2, 3)
+    video = VideoPart(**out.parts[0]["video"])
+    assert video.frames.shape == (3, 2, 3)
     assert video.times.tolist() == [0, 100, 200] and video.audio_frames == 3 * audio_per_frame
     full_pos = _positions([TextPart(np.arange(4)), video])
     h = _full(model, full_pos)

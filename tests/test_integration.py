@@ -323,6 +323,9 @@ def test_generate_from_the_command_line(demo_home, tmp_path):
         assert [round(float(f.time) * 1000) for f in frames] == [0, 500]
         assert frames[0].width * 2 == frames[0].height * 3 and frames[0].width // 3 in (8, 16)
         assert clip.streams.audio and clip.duration / 1e6 == pytest.approx(1.0, abs=0.1)
+    faster = _local("generate", model, "--to", "video", "--seconds", "0.5", "--grid", "1x2", "ingest.video.fps=4",
+                    "--out", tmp_path / "fast.mp4", "--json", home=home)  # the configured frame rate
+    assert (faster["frames"], faster["times"], faster["audio_frames"]) == (2, [0, 250], 2 * 12)
 
     tiny = tmp_path / "tiny.png"
     Image.new("RGB", (4, 4), "red").save(tiny)

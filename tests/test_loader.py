@@ -233,3 +233,23 @@ def test_a_one_pass_stream_ends_and_may_be_empty_for_a_rank(tmp_path):
     empty = TokenStream([shard], StreamConfig(seq_len=16, group_size=1), rank=3, world_size=4, passes=1)
     with pytest.raises(StreamExhausted):
         empty.next_row()
+
+
+def test_a_stream_whose_every_sample_was_deleted_packs_what_is_pending_then_says_so(tmp_path):
+    """Every sample of a stream excluded after a row: the pieces already pulled are still packed
+    (what was pulled stays), then a one-line error names the deletion; it never spins."""
+    from tokenloom.datasets.stream import NoSampleFits
+
+    shard = write_shard(tmp_path / "only.parquet", [LAYOUT.assemble([TextPart(np.arange(k + 3))]) for k in range(6)],
+                        [f"s-{k}" for k in range(6)])
+    stream = TokenStream([shard], StreamConfig(seq_len=16, group_size=1, pack_window=8))
+    stream.next_row()
+    pending = len(stream.state.pending)
+    assert pending > 0
+    stream.exclude([f"s-{k}" for k in range(6)])
+    rows = 0
+    with pytest.raises(NoSampleFits, match="deleted by a later snapshot"):
+        while rows < 50:
+            stream.next_row()
+            rows += 1
+    assert 1 <= rows <= pending and stream.state.removed > 0

@@ -221,12 +221,11 @@ def test_on_a_three_node_cluster_each_pool_runs_only_where_its_label_is(tmp_path
     from tokenloom.jobs.ingest import ingest
     from tokenloom.platform.ingest import shutdown_ray, token_auth_for_clusters
     from tokenloom.samples.images import write_sample_images
-    from tokenloom.tokenizers.visual import VisualTokenizer, VisualTokenizerConfig
-    from tokenloom.tokenizers.visual.train import publish_bundle
-
     from tokenloom.samples.video import write_sample_videos
     from tokenloom.tokenizers.audio import AudioTokenizer, AudioTokenizerConfig
     from tokenloom.tokenizers.audio import publish_bundle as publish_audio
+    from tokenloom.tokenizers.visual import VisualTokenizer, VisualTokenizerConfig
+    from tokenloom.tokenizers.visual.train import publish_bundle
 
     home = Home(tmp_path / "home")
     inputs = tmp_path / "inputs"

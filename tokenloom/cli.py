@@ -981,16 +981,18 @@ def generate_command(
                                              "home/generations/.")] = None,
     pools: Annotated[str, typer.Option("--pools", help="Tokenize the prompt here (local) or through the "
                                        "long-lived tokenizer services of `pools up` (service).")] = "local",
-    home: HomeOpt = None, json_out: JsonOpt = False,
+    home: HomeOpt = None, json_out: JsonOpt = False, config: ConfigOpt = None, overrides: OverridesArg = None,
 ):
     """Generate from a trained model: continue text, caption an image, transcribe audio, draw an
     image, speak a text or make a video with its sound, with the model's own tokenizers (KV-cache
     decoding)."""
     from tokenloom.jobs import generate as jobs
+    from tokenloom.jobs.config import load_run_config
     from tokenloom.jobs.home import Home
 
+    video = load_run_config(config, overrides).ingest.video  # a video's frame rate and frame budget
     doc = jobs.generate(Home.resolve(home), source, to, prompt, image, audio, parse_grid(grid), seconds,
-                        max_new_tokens, temperature, top_k, top_p, seed, out, pools=pools)
+                        max_new_tokens, temperature, top_k, top_p, seed, out, pools=pools, video=video)
     if json_out:
         return _emit_json(doc)
     made = doc["text"] if to == "text" else doc["out"]

@@ -96,6 +96,10 @@ class DataFile:
 
 
 
+class NotAnAncestor(ValueError):
+    """A snapshot is no longer in the current snapshot's history (the table was rolled back)."""
+
+
 @dataclass(frozen=True)
 class Addition:
     """What one snapshot changed, for a reader that follows a dataset (`TokenCatalog.additions`):
@@ -334,7 +338,7 @@ class TokenCatalog:
         chain = self.ancestry(name, current) if current is not None else []
         ids = [s.snapshot_id for s in chain]
         if since not in ids:
-            raise ValueError(f"snapshot {since} of {name!r} is not an ancestor of the current snapshot "
+            raise NotAnAncestor(f"snapshot {since} of {name!r} is not an ancestor of the current snapshot "
                              f"{ids[-1] if ids else None}")
         before = {f.path: f for f in self.data_files(name, since)}
         out = []

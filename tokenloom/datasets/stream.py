@@ -354,7 +354,9 @@ class TokenStream:
             before = len(self._window)
             self._pull()
             in_a_row = 0 if len(self._window) > before else in_a_row + 1
-            if in_a_row > self.samples_per_epoch(self._epoch) and not len(self._window):
+            if in_a_row > self.samples_per_epoch(self._epoch):
+                if len(self._window):  # a whole epoch gave nothing more: pack what is pending
+                    break
                 if self._removed:
                     raise NoSampleFits(f"every sample of rank {self.rank} was deleted by a later snapshot or is "
                                        f"longer than stream.seq_len {self.config.seq_len}: nothing left to stream")

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenloom.jobs.home import Home, model_folder
-from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
+from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart, VideoPart
 from tokenloom.tokenizers.vocab import VocabManifest
 
 TARGETS = ("text", "image", "audio", "video")
@@ -197,25 +197,25 @@ class Generator:
                              f"{cfg.max_pixels} pixels)")
         return h, w
 
-    def video_request(self, grid: tuple[int, int] | None, seconds: float) -> dict:
-        """A video's frame grid (default: a 4:3 frame within the ingestion's frame pixel budget, as
-        ingestion tokenizes frames), frames (`ingest.video.fps`) and audio frames per frame (the
-        audio tokenizer's frame rate over the frame interval; none when the model has no audio)."""
+    def video_request(self, grid: tuple[int, int] | None, seconds: float, video=None) -> dict:
+        """A video's frame grid (default: a 4:3 frame within the frame pixel budget, as ingestion
+        tokenizes frames), frames and frame rate, and audio frames per frame (the audio tokenizer's
+        frame rate over the frame interval; none when the model has no audio), from `video`
+        (`ingest.video`, a `VideoConfig`; its defaults when None)."""
         from tokenloom.datasets.video import VideoConfig
         from tokenloom.tokenizers.visual import fit_to_budget
 
         if seconds <= 0:
             raise ValueError(f"--seconds must be positive, got {seconds}")
-        video, cfg = VideoConfig(), self.tokenizer("visual").cfg
+        video, cfg = video or VideoConfig(), self.tokenizer("visual").cfg
         if grid is None:
             h, w = fit_to_budget(240, 320, video.max_frame_pixels, cfg.factor)
             grid = (h // cfg.factor, w // cfg.factor)
         rows, cols = self.image_grid(grid)
-        frame_ms = round(1000 / video.fps)
         sound = 0
         if self.vocab.audio and self.vocab.bundles.get("audio"):
-            sound = max(1, round(self.tokenizer("audio").cfg.frame_rate * frame_ms / 1000))
-        return {"grid": (rows, cols), "frames": max(1, round(seconds * video.fps)), "frame_ms": frame_ms,
+            sound = max(1, round(self.tokenizer("audio").cfg.frame_rate / video.fps))
+        return {"grid": (rows, cols), "frames": max(1, round(seconds * video.fps)), "fps": float(video.fps),
                 "audio_per_frame": sound}
 
     def frames_for(self, seconds: float) -> int:
@@ -279,10 +279,11 @@ class Generator:
 def generate(home: Home, source: Path, to: str, prompt: str | None = None, image: Path | None = None,
              audio: Path | None = None, grid: tuple[int, int] | None = None, seconds: float = 2.0,
              max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             out: Path | None = None, generator: Generator | None = None, pools: str = "local") -> dict:
+             out: Path | None = None, generator: Generator | None = None, pools: str = "local", video=None) -> dict:
     """One generation: returns what was made (text, or the file written) with its log-probabilities.
     `pools`: "local" tokenizes the prompt with the model's bundles in this process, "service" through
-    the long-lived tokenizer services (`tokenloom pools up`)."""
+    the long-lived tokenizer services (`tokenloom pools up`); `video`: `ingest.video` (a `VideoConfig`)
+    for `to="video"`."""
     from tokenloom.model.generate import Cursor, Request, SamplingConfig
     from tokenloom.model.generate import generate as decode
 
@@ -297,7 +298,7 @@ def generate(home: Home, source: Path, to: str, prompt: str | None = None, image
     if to == "audio":
         request.max_frames = gen.frames_for(seconds)
     if to == "video":
-        for key, value in gen.video_request(grid, seconds).items():
+        for key, value in gen.video_request(grid, seconds, video).items():
             setattr(request, key, value)
     if to != "text":
         gen.tokenizer("audio" if to == "audio" else "visual")  # an unknown bundle fails before decoding
@@ -319,6 +320,8 @@ def generate(home: Home, source: Path, to: str, prompt: str | None = None, image
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
+    if to == "video":
+        made.parts[0]["video"] = VideoPart(**made.parts[0]["video"])
     result = gen.decode(to, made.parts[0], out)
     sampled = [x for x in made.logprobs[0] if not np.isnan(x)]
     doc = {"model": str(gen.folder), "to": to, "pools": pools, "prompt_positions": len(chunk), "positions": made.positions,

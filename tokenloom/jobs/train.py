@@ -16,6 +16,7 @@ import os
 import re
 from pathlib import Path
 
+from tokenloom.catalog.store import NotAnAncestor
 from tokenloom.datasets import ShardFile, shard_files
 from tokenloom.jobs.home import Home, code_version, model_folder, open_catalog
 
@@ -165,9 +166,13 @@ def follower(home: Home, cfg, sources) -> object:
                 continue
             try:
                 added = catalog.additions(src.name, seen[src.name])
-            except ValueError:
+            except NotAnAncestor:
                 log.warning("follow: %s's snapshot %s is no longer an ancestor of the current one; not following",
                             src.name, seen[src.name])
+                continue
+            except Exception as exc:  # noqa: BLE001 - rank 0 alone polls: raising would leave the other ranks waiting
+                log.error("follow: cannot read the snapshots of %s committed after %s (%s: %s); trying again at "
+                          "the next poll", src.name, seen[src.name], type(exc).__name__, exc)
                 continue
             for a in added:
                 out.append((src.name, a.snapshot.snapshot_id, [ShardFile(f.path, f.record_count) for f in a.files],

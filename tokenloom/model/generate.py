@@ -16,7 +16,7 @@ Steps follow the modality (ARCHITECTURE.md, "Groups" and "No target is visible..
     audio  one frame per step: level 0 from the shared head (audio level-0 codes or `<eoa>`),
            levels 1..L-1 in order from the level heads, each conditioned on the codes sampled
            below it, as in training; until `<eoa>` or the frame budget, then `<eoa>`.
-    video  `<bov>`, then K frames at `frame_ms` apart, each an image without delimiters (start
+    video  `<bov>`, then K frames at `fps` (frame k at round(1000 k / fps) ms), each an image without delimiters (start
            row, then row groups) at its tick on the video's clock, followed by the `audio_per_frame`
            audio frames of its interval (one frame per step, as audio, a new windowed segment per
            interval; none without sound); `<eov>` after the last. Frame k's rows sit at
@@ -252,7 +252,8 @@ class Generated:
 
     ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
-    parts: list[dict] = field(default_factory=list)  # per row: {"text": ids} | {"image": codes} | {"audio": codes}
+    # per row: {"text": ids} | {"image": codes} | {"audio": codes} | {"video": VideoPart's fields}
+    parts: list[dict] = field(default_factory=list)
     positions: int = 0  # positions fed after the prompt
     seconds: float = 0.0
 
@@ -290,7 +291,7 @@ class Request:
     stop: tuple[int, ...] = ()  # text: ids that end it (besides <eos>)
     audio_window: int = 64  # frames an audio position attends to (stream.audio_window of training)
     frames: int = 1  # video: frames
-    frame_ms: int = 500  # video: milliseconds between frames (ingest.video.fps = 2: 500)
+    fps: float = 2.0  # video: frames per second (ingest.video.fps): frame k at round(1000 k / fps) ms
     audio_per_frame: int = 0  # video: audio frames after each frame (its interval's sound); 0: no sound
 
     def validate(self, space: TokenSpace) -> None:
@@ -307,9 +308,10 @@ class Request:
         if self.to == "video":
             if "<bov>" not in space.specials or "<eov>" not in space.specials:
                 raise ValueError("this model's vocabulary has no <bov>/<eov>: it was not trained with video")
-            if self.frames < 1 or self.frame_ms < TIME_TICK_MS or self.audio_per_frame < 0:
-                raise ValueError(f"a video needs frames >= 1, frame_ms >= {TIME_TICK_MS} and audio_per_frame >= 0, "
-                                 f"got {self.frames}, {self.frame_ms}, {self.audio_per_frame}")
+            if self.frames < 1 or not 0 < self.fps <= 1000 / TIME_TICK_MS or self.audio_per_frame < 0:
+                raise ValueError(f"a video needs frames >= 1, 0 < fps <= {1000 // TIME_TICK_MS} (one frame per "
+                                 f"{TIME_TICK_MS} ms tick at most) and audio_per_frame >= 0, got {self.frames}, "
+                                 f"{self.fps}, {self.audio_per_frame}")
 
     def budget(self) -> int:
         """Positions this request may append (delimiters included)."""
@@ -426,7 +428,7 @@ def _video(model, decoder, space, cursor, request, sampling, rng, h, group, out)
     offsets = torch.tensor([start for start, _ in space.audio]) if n else None
     frames, sound, times, extent = [], [], [], 0
     for k in range(request.frames):
-        ms = k * request.frame_ms
+        ms = round(k * 1000 / request.fps)
         tick = ms // TIME_TICK_MS
         current = torch.full((B, cols), space.specials["<row>"])  # the learned start row
         codes = []
@@ -455,15 +457,15 @@ def _video(model, decoder, space, cursor, request, sampling, rng, h, group, out)
             sound.append((torch.stack(interval, 1) - offsets).numpy())  # [B, n, L] local codes
             extent = max(extent, tick + n)
     cursor.t, cursor.text_open = p + extent, False
-    from tokenloom.tokenizers.sequence import VideoPart
-
     grids = torch.stack(frames, 1).numpy()  # [B, K, rows, cols]
     stamps = np.asarray(times, dtype=np.int64)
     for row in range(B):
         out.ids[row].append(space.specials["<eov>"])
         out.logprobs[row].append(float("nan"))
         audio = tuple(s[row] for s in sound) if n else ()
-        out.parts[row] = {"video": VideoPart(grids[row], stamps, audio, stamps if n else np.zeros(0, np.int64))}
+        # the fields of `tokenizers.sequence.VideoPart` (the model layer does not import tokenizers)
+        out.parts[row] = {"video": {"frames": grids[row], "times": stamps, "audio": audio,
+                                    "audio_times": stamps if n else np.zeros(0, np.int64)}}
 
 
 def _audio(model, decoder, space, cursor, request, sampling, rng, h, group, out) -> None:

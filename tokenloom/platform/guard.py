@@ -65,7 +65,9 @@ class BatchGuard:
 
     def _die_if_poisoned(self, batch: pa.Table) -> None:
         poison = self.faults.crash_on
-        if poison and any(poison in (p or "") for p in batch.column("payload").to_pylist()):
+        errors = batch.column("error").to_pylist() if "error" in batch.column_names else [None] * batch.num_rows
+        if poison and any(poison in (p or "") for p, e in zip(batch.column("payload").to_pylist(), errors,
+                                                              strict=True) if e is None):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _maybe_killed(self) -> None:

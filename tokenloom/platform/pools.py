@@ -23,17 +23,17 @@ from tokenloom.platform.config import PoolConfig
 from tokenloom.platform.guard import BatchGuard
 from tokenloom.platform.workers import WORKERS
 
-_CACHED: dict[str, object] = {}  # per worker process: the key of the tokenizer built last -> worker
+_CACHED: dict[str, tuple[str, object]] = {}  # per worker process and modality (or stage): (key, worker) built last
 
 
 def worker_for(modality: str, worker_kwargs: dict):
-    """This process's `modality` pool worker for these arguments, built on first use and kept."""
-    key = modality + "\0" + json.dumps(worker_kwargs, sort_keys=True, default=str)
-    worker = _CACHED.get(key)
-    if worker is None:
-        _CACHED.clear()  # one tokenizer per process: a worker serves many jobs, not many bundles
-        worker = _CACHED[key] = WORKERS[modality](**worker_kwargs)
-    return worker
+    """This process's `modality` pool worker for these arguments, built on first use and kept (one
+    per modality or stage: a process serves many jobs, and a video's two stages, not many bundles)."""
+    key = json.dumps(worker_kwargs, sort_keys=True, default=str)
+    cached = _CACHED.get(modality)
+    if cached is None or cached[0] != key:
+        cached = _CACHED[modality] = (key, WORKERS[modality](**worker_kwargs))
+    return cached[1]
 
 
 def tokenize_batch(batch: pa.Table, modality: str, worker_kwargs: dict, guard: dict | None = None) -> pa.Table:

@@ -373,7 +373,7 @@ VIDEO_STAGE_FIELDS = [
     pa.field("sound", pa.large_binary()),  # the sound track, mono float32 at 16 kHz; null without one
     pa.field("video_hash", pa.string()),  # dedup key of frames, sound and caption
     pa.field("video_note", pa.string()),  # what was dropped (a broken sound track)
-    pa.field("frames_node", pa.string()),  # the Ray node the frames were tokenized on
+    pa.field("frames_node", pa.string()),  # the Ray node the record passed the video pool on
 ]
 
 
@@ -424,6 +424,7 @@ class VideoPoolWorker:
 
     def _with(self, batch: pa.Table, errors: list, columns: dict[str, list]) -> pa.Table:
         n = batch.num_rows
+        columns = {**columns, "frames_node": [_node_id()] * n}  # every row passed this pool
         out = batch.set_column(batch.schema.get_field_index("error"), "error", pa.array(errors, pa.string()))
         for f in VIDEO_STAGE_FIELDS:
             out = out.append_column(f, pa.array(columns.get(f.name, [None] * n), f.type))
@@ -464,8 +465,7 @@ class VideoPoolWorker:
             sound, sound_hash = np.concatenate(wav).tobytes(), hasher.hexdigest(None)
         return {"frames": codes.tobytes(), "frames_shape": list(codes.shape),
                 "times": [int(t) for t in frames.times], "sound": sound,
-                "video_hash": keys.video_hash(frames.pixels, sound_hash, caption), "video_note": note,
-                "frames_node": _node_id()}
+                "video_hash": keys.video_hash(frames.pixels, sound_hash, caption), "video_note": note}
 
     def tokenize(self, batch: pa.Table) -> pa.Table:
         from tokenloom.datasets.video import VideoProblem
@@ -542,7 +542,7 @@ class VideoSoundPoolWorker(TextPoolWorker):
     @staticmethod
     def _with_nodes(out: pa.Table, batch: pa.Table) -> pa.Table:
         """The video pool's rows: `node` where the frames ran, `sound_node` where the sound ran."""
-        frames_node = batch.column("frames_node")  # null where the first stage had nothing to decode
+        frames_node = batch.column("frames_node")
         out = out.set_column(out.schema.get_field_index("node"), "node", frames_node)
         return out.set_column(out.schema.get_field_index("sound_node"), "sound_node",
                               pa.array([_node_id()] * batch.num_rows, pa.string()))

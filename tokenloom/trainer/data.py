@@ -46,7 +46,7 @@ class RunData:
         resumed = client.get("tokens_by_source", {}) if client else {}
         self.tokens_by_source = {s.name: int(resumed.get(s.name, 0)) for s in sources}
         self.index = {s.name: i for i, s in enumerate(sources)}
-        self.segments = [s.to_dict() | {"files": len(s.files)} for s in self.loader.segments]
+        self.segments = [s.to_dict() | {"files": len(s.files), "deleted": len(s.deleted)} for s in self.loader.segments]
         self.seen = {s.name: s.snapshot_id for s in sources}  # the newest snapshot streamed per source
         self.seen.update({s.source: s.snapshot_id for s in self.loader.segments})
         self.rows_log = None
