@@ -253,3 +253,23 @@ def test_a_stream_whose_every_sample_was_deleted_packs_what_is_pending_then_says
             stream.next_row()
             rows += 1
     assert 1 <= rows <= pending and stream.state.removed > 0
+
+
+def test_a_later_snapshot_deleting_rows_of_a_segment_still_being_read_stops_them(tmp_path):
+    """Snapshot 7 adds 48 marked samples (12 per canonical reader); after one batch (two readers
+    have pulled a packing window of 8 each), snapshot 8 deletes them all: exactly what was pulled
+    before the deletion is trained (2 x 8 samples of 3 marked tokens), nothing after."""
+    new_id = MANIFEST.text.size - 3
+    base = tuple(_files(tmp_path, seed=9))
+    added = write_shard(tmp_path / "added.parquet", [LAYOUT.assemble([TextPart(np.full(3, new_id))])] * 48,
+                        [f"n-{k}" for k in range(48)])
+    loader = Loader([Source("d", base)], CFG, 4)
+    it = loader.batches(2)
+    for _ in range(3):
+        next(it)
+    loader.follow("d", 7, [added])
+    first = next(it)  # global rows 6 and 7: readers 2 and 3 start the segment
+    loader.follow("d", 8, [], [f"n-{k}" for k in range(48)])
+    rest = [next(it) for _ in range(30)]
+    marked = sum(int((b["ids"][..., 0] == MANIFEST.text.start + new_id).sum()) for b in [first, *rest])
+    assert marked == 2 * CFG.pack_window * 3
