@@ -32,10 +32,10 @@ for dtype in (torch.bfloat16, torch.float32):
 (out / "audio.json").write_text(json.dumps({"encode": rows}, indent=2, default=str))
 PY
 # the recipes of bench/RESULTS.md (#18) at a GPU's batch, side by side on the one GPU: the plain
-# recipe, the balanced one and the balanced one with the STFT discriminator (full width, all
-# three scales, whole segments: the GPU affords what the CPU run narrowed), held out on speech
-# in an unseen voice and on unseen music
-timeout 540 "$PY" bench/bench_audio.py --minutes 4 --parallel 3 --threads 4 --out "$OUT_DIR/audio-recipes" \
-  --variants "base:batch_size=64:bf16_autocast=true,bal:batch_size=64:bf16_autocast=true:balancer=true:l1_weight=0.005:sisdr_weight=1,gan:batch_size=64:bf16_autocast=true:balancer=true:l1_weight=0.005:sisdr_weight=1:adversarial_weight=1:feature_weight=1:disc_channels=32:disc_seconds=1.0" \
+# recipe, the balanced one, the balanced one with the STFT discriminator (full width, all three
+# scales, whole segments: the GPU affords what the CPU run narrowed) and the frequency-domain codec
+# (arch=stft with the compressed spectral loss), held out on speech in an unseen voice and on unseen music
+timeout 540 "$PY" bench/bench_audio.py --minutes 4 --parallel 4 --threads 4 --out "$OUT_DIR/audio-recipes" \
+  --variants "base:batch_size=64:bf16_autocast=true,bal:batch_size=64:bf16_autocast=true:balancer=true:l1_weight=0.005:sisdr_weight=1,gan:batch_size=64:bf16_autocast=true:balancer=true:l1_weight=0.005:sisdr_weight=1:adversarial_weight=1:feature_weight=1:disc_channels=32:disc_seconds=1.0,stft:batch_size=64:bf16_autocast=true:arch=stft:spec_weight=1" \
   2>&1 | grep -v WARNING | tee "$OUT_DIR/audio-recipes.txt" || status=1
 exit $status

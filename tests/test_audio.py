@@ -60,6 +60,31 @@ def test_encode_decode_shapes_per_frame_rate(frame_rate, hop):
         model.encode(torch.randn(2, 2, 5000))
 
 
+STFT = replace(TINY, arch="stft", stft_blocks=2)
+
+
+def test_stft_codec_shapes_and_its_transform_inverts():
+    """The frequency-domain codec: T samples -> T / hop frames of codes -> T samples, any first-k
+    levels; its analysis and synthesis invert each other (what the decoder's spectrum goes through)."""
+    torch.manual_seed(0)
+    model = ready(AudioTokenizer(STFT))
+    x = torch.randn(2, 1, 5000) * 0.1
+    codes = model.encode(x)
+    assert codes.shape == (2, 16, 4) and torch.equal(codes, model.encode(x))
+    for k in (1, 4):
+        assert model.decode(codes, k).shape == (2, 1, 16 * 320)
+    enc = model.encoder
+    assert (enc.n_fft, enc.bins) == (1280, 641)
+    wav = model.pad(x)
+    spec = enc.compressed(wav)
+    assert spec.shape == (2, 641, 16)
+    assert float((enc.synthesize(spec) - wav).abs().max()) < 1e-5, "compressed STFT -> inverse is the identity"
+    tone_ = torch.from_numpy(tone((1000.0,), 0.2))[None, None]  # 1 kHz: bin 80 of 641
+    assert int(enc.compressed(tone_)[0, :, 5].abs().argmax()) == 80
+    louder = enc.compressed(4 * tone_)[0, 80, 5].abs() / enc.compressed(tone_)[0, 80, 5].abs()
+    assert abs(float(louder) - 4**0.3) < 1e-3, "magnitudes enter compressed, |4X|^0.3 = 4^0.3 |X|^0.3"
+
+
 def test_fewer_levels_decode_the_prefix_of_the_codes():
     model = ready(AudioTokenizer(TINY))
     x = torch.randn(1, 1, 4000) * 0.1
@@ -69,11 +94,12 @@ def test_fewer_levels_decode_the_prefix_of_the_codes():
     assert not torch.equal(one, model.decode(codes, 4)), "later levels add detail"
 
 
-def test_bundle_round_trip_gives_identical_codes(tmp_path):
+@pytest.mark.parametrize("arch", ["conv", "stft"])
+def test_bundle_round_trip_gives_identical_codes(tmp_path, arch):
     torch.manual_seed(3)
     with pytest.raises(ValueError, match="never initialized"):
         publish_bundle(AudioTokenizer(TINY), tmp_path)
-    model = ready(AudioTokenizer(TINY))
+    model = ready(AudioTokenizer(TINY if arch == "conv" else STFT))
     info = publish_bundle(model, tmp_path)
     assert info.id.startswith("audio-") and info.config["levels"] == 4 and len(info.config["code_ranges"]) == 4
     loaded = load_audio(info.path)
@@ -82,8 +108,9 @@ def test_bundle_round_trip_gives_identical_codes(tmp_path):
     assert torch.equal(model.decode(model.encode(x), 2), loaded.decode(loaded.encode(x), 2))
 
 
-def test_training_improves_and_resume_is_exact(tmp_path, speech):
-    cfg = replace(TINY, steps=8)
+@pytest.mark.parametrize("arch", ["conv", "stft"])
+def test_training_improves_and_resume_is_exact(tmp_path, speech, arch):
+    cfg = replace(TINY if arch == "conv" else replace(STFT, spec_weight=1.0), steps=8)
     train, held = speech
     store = tmp_path / "bundles"
     full = train_audio(train, held, cfg, store, tmp_path / "full", progress=False, device="cpu")
@@ -94,7 +121,10 @@ def test_training_improves_and_resume_is_exact(tmp_path, speech):
     # the held-out mel distance is measured on fixed clips (seeds 0-2: 1 step ~2.0, 8 steps ~1.55)
     one = train_audio(train, held, replace(cfg, steps=1), tmp_path / "b1", tmp_path / "one", progress=False,
                       device="cpu")
-    assert full.heldout["mel"] < 0.9 * one.heldout["mel"], "training improves held-out reconstruction"
+    if arch == "conv":
+        assert full.heldout["mel"] < 0.9 * one.heldout["mel"], "training improves held-out reconstruction"
+    else:  # the STFT codec starts nearer in mel (its output is a spectrum); it gains ~10 dB SI-SDR here
+        assert full.heldout["si_sdr"] > one.heldout["si_sdr"] + 5, "training improves held-out reconstruction"
     assert (tmp_path / "full" / "eval-final" / "spectrograms.png").stat().st_size > 5000
     assert len(list((tmp_path / "full" / "eval-final").glob("*.wav"))) == 4
     run = tmp_path / "run"
@@ -115,12 +145,15 @@ def test_chunked_encoding_of_a_long_file_has_every_frame(tmp_path):
     assert (codes[:, 0] == whole[:, 0].numpy()).mean() > 0.8, "chunking changes codes only near the seams"
 
 
-def test_windowed_encoding_equals_one_pass_and_needs_its_context(monkeypatch):
+@pytest.mark.parametrize("arch,context", [("conv", 8), ("stft", 9)])
+def test_windowed_encoding_equals_one_pass_and_needs_its_context(monkeypatch, arch, context):
     """The encoder over windows with `context_frames` on each side gives one pass's latents (to
     float rounding) and codes, and so does encode_long over blocks of any size; without the
     context the seams differ (the probe can fail)."""
-    model = ready(AudioTokenizer(replace(TINY, encode_window_seconds=0.3)))
-    assert model.context_frames == 8  # TINY's convolutions span 2,049 samples: 7 frames, plus one
+    model = ready(AudioTokenizer(replace(TINY if arch == "conv" else STFT, encode_window_seconds=0.3)))
+    # TINY's convolutions span 2,049 samples: 7 frames, plus one; the STFT codec's window reaches 2
+    # frames out (1,280 samples centred on a 320-sample hop), each of its 2 blocks 3 frames, plus one
+    assert model.context_frames == context
     wav = torch.from_numpy(tone((220.0, 330.0), 3.1, 16_000) + 0.05 * np.random.default_rng(0).standard_normal(
         49_600).astype(np.float32))[None, None]
     with torch.inference_mode():
@@ -139,6 +172,13 @@ def test_windowed_encoding_equals_one_pass_and_needs_its_context(monkeypatch):
     with torch.inference_mode():
         blind = model.latents(wav)
     assert float((blind - one_pass).abs().max()) > 1e-3, "windows without context differ at the seams"
+
+
+def test_codec_settings_are_checked():
+    for bad in (dict(arch="wave"), dict(arch="stft", stft_overlap=0), dict(arch="stft", stft_compress=0.0),
+                dict(spec_weight=-1.0)):
+        with pytest.raises(ValueError, match="audio_tokenizer"):
+            replace(TINY, **bad).validate()
 
 
 def test_window_setting_is_checked():

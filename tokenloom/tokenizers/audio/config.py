@@ -13,6 +13,14 @@ class AudioTokenizerConfig:
     """Architecture, quantizer and training recipe of an audio tokenizer bundle."""
 
     sample_rate: int = 16_000  # every input is resampled to this and downmixed to mono
+    # "conv": SEANet-style strided convolutions on the waveform (EnCodec/DAC); "stft": the codec works
+    # on frames of a short-time Fourier transform (hop = one frame, window `stft_overlap` hops) with
+    # ConvNeXt blocks at the frame rate and an inverse STFT out (FunCodec's frequency-domain codec,
+    # Vocos' decoder): no full-rate convolutions (bench/RESULTS.md)
+    arch: str = "conv"
+    stft_overlap: int = 4  # stft: window and FFT size in hops (4: 1,280 samples, 641 bins at 50 fps)
+    stft_compress: float = 0.3  # stft: magnitudes enter and leave as |X|^c (phase kept): power-law compression
+    stft_blocks: int = 4  # stft: ConvNeXt blocks in the encoder and in the decoder
     frame_rate: float = 50.0  # frames per second: 50, 25 or 12.5
     channels: int = 16  # encoder width after the first convolution; doubles per stride
     max_channels: int = 256
@@ -30,6 +38,10 @@ class AudioTokenizerConfig:
     warmup_steps: int = 50
     l1_weight: float = 1.0  # time-domain L1 (weights the waveform match SI-SDR measures)
     mel_weight: float = 1.0  # multi-scale log-mel distance
+    # L1 between the power-law compressed complex spectra (the `stft_*` transform) of the decoded and
+    # the original audio: real and imaginary parts, so phase is matched bin by bin (speech enhancement's
+    # compressed spectral loss)
+    spec_weight: float = 0.0
     sisdr_weight: float = 0.3  # negative SI-SDR (dB / 10) of segments with sound: teaches phase, which L1 + mel do not (bench/RESULTS.md)
     # EnCodec's loss balancer: the weights above (and the two below) become each loss's share of
     # the gradient at the decoded waveform, whatever the loss's scale (tokenizers/audio/adversarial.py)
@@ -67,6 +79,10 @@ class AudioTokenizerConfig:
     encode_window_seconds: float = 8.0
 
     def validate(self) -> None:
+        if self.arch not in ("conv", "stft"):
+            raise ValueError(f"audio_tokenizer.arch must be conv or stft, got {self.arch!r}")
+        if self.stft_overlap < 1 or not 0 < self.stft_compress <= 1 or self.stft_blocks < 0:
+            raise ValueError("audio_tokenizer.stft_overlap must be >= 1, stft_compress in (0, 1], stft_blocks >= 0")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"audio_tokenizer.precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.frame_rate not in STRIDES:
@@ -80,9 +96,10 @@ class AudioTokenizerConfig:
         if self.encode_window_seconds < 0 or 0 < self.encode_window_seconds * self.frame_rate < 1:
             raise ValueError("audio_tokenizer.encode_window_seconds must be 0 (one pass) or hold at least one frame, "
                              f"got {self.encode_window_seconds}")
-        if min(self.adversarial_weight, self.feature_weight, self.l1_weight, self.mel_weight, self.sisdr_weight) < 0:
+        if min(self.adversarial_weight, self.feature_weight, self.l1_weight, self.mel_weight, self.sisdr_weight,
+               self.spec_weight) < 0:
             raise ValueError("audio_tokenizer loss weights must be non-negative")
-        if self.balancer and not (self.l1_weight + self.mel_weight + self.sisdr_weight + self.adversarial_weight
+        if self.balancer and not (self.l1_weight + self.mel_weight + self.sisdr_weight + self.spec_weight + self.adversarial_weight
                                   + self.feature_weight) > 0:
             raise ValueError("audio_tokenizer.balancer needs at least one positive loss weight")
         if not 0 <= self.balancer_decay < 1:

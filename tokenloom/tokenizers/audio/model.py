@@ -6,6 +6,12 @@
 
 Strides (4, 4, 4, 5) give a hop of 320 samples: 50 frames/s at 16 kHz (25 and 12.5 as options;
 (2, 4, 5, 8) cost 40% more compute for the same hop and kept encoding under 50x real time).
+`arch = "stft"` swaps the waveform convolutions for a frequency-domain pair (FunCodec's
+frequency codec, Vocos' decoder): frames of a short-time Fourier transform (hop = one frame,
+window `stft_overlap` hops), magnitudes power-law compressed (|X|^c, phase kept), ConvNeXt blocks
+at the frame rate, and out the decoder's compressed spectrum, decompressed and overlap-added
+(inverse STFT). Nothing runs at the sample rate but the transforms themselves.
+
 Level 1 carries the coarse content, each further level quantizes what the levels before it
 left over. Trained with quantizer dropout (a random number of levels per batch), decoding from
 the first k levels works for every k, so a consumer may keep fewer levels for a lower bitrate.
@@ -70,6 +76,86 @@ class Decoder(nn.Module):
         return self.net(latents)
 
 
+class ConvNeXtBlock(nn.Module):
+    """Depthwise kernel-7 convolution, LayerNorm, pointwise 3x MLP (GELU), scaled residual (Vocos' block)."""
+
+    def __init__(self, channels: int, scale: float):
+        super().__init__()
+        self.dw = nn.Conv1d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = nn.LayerNorm(channels)
+        self.mlp = nn.Sequential(nn.Linear(channels, 3 * channels), nn.GELU(), nn.Linear(3 * channels, channels))
+        self.gamma = nn.Parameter(torch.full((channels,), scale))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mlp(self.norm(self.dw(x).transpose(1, 2))) * self.gamma
+        return x + y.transpose(1, 2)
+
+
+class _Stft(nn.Module):
+    """Frames of `overlap` hops, one per hop, centred on their hop (zero padding): T samples -> T / hop frames."""
+
+    def __init__(self, cfg: AudioTokenizerConfig):
+        super().__init__()
+        self.hop, self.n_fft, self.c = cfg.hop, cfg.hop * cfg.stft_overlap, cfg.stft_compress
+        self.pad_each = (self.n_fft - self.hop) // 2
+        self.bins = self.n_fft // 2 + 1
+        self.register_buffer("window", torch.hann_window(self.n_fft), persistent=False)
+
+    def compressed(self, wav: torch.Tensor) -> torch.Tensor:
+        """The compressed complex spectrum [B, bins, frames] of [B, 1, T] audio (T a whole number of hops)."""
+        x = F.pad(wav[:, 0].float(), (self.pad_each, self.pad_each))
+        spec = torch.stft(x, self.n_fft, self.hop, window=self.window, center=False, return_complex=True)
+        return spec * (spec.abs() + 1e-7) ** (self.c - 1)  # |X|^c, phase kept
+
+    def synthesize(self, spec: torch.Tensor) -> torch.Tensor:
+        """The inverse of `compressed`: audio [B, 1, frames * hop] from a compressed spectrum
+        (decompressed, inverse FFT per frame, windowed overlap-add normalized by the window's)."""
+        spec = spec * (spec.abs() + 1e-7) ** (1 / self.c - 1)
+        frames = torch.fft.irfft(spec, n=self.n_fft, dim=1) * self.window[:, None]  # [B, n_fft, F]
+        n, length = frames.shape[-1], (frames.shape[-1] - 1) * self.hop + self.n_fft
+        fold = dict(output_size=(1, length), kernel_size=(1, self.n_fft), stride=(1, self.hop))
+        out = F.fold(frames, **fold)[:, 0]  # overlap-add: [B, 1, length]
+        envelope = F.fold((self.window**2)[None, :, None].expand(1, -1, n), **fold)[:, 0]
+        return (out / envelope.clamp_min(1e-8))[..., self.pad_each:length - self.pad_each]
+
+
+class CompressedSpectralLoss(_Stft):
+    """Mean L1 of the real and imaginary parts of two signals' compressed complex spectra."""
+
+    def forward(self, recon: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_real(self.compressed(recon) - self.compressed(target)).abs().mean()
+
+
+class StftEncoder(_Stft):
+    def __init__(self, cfg: AudioTokenizerConfig):
+        super().__init__(cfg)
+        width = cfg.max_channels
+        self.inp = nn.Conv1d(2 * self.bins, width, 1)
+        self.blocks = nn.Sequential(*[ConvNeXtBlock(width, 1 / max(cfg.stft_blocks, 1)) for _ in range(cfg.stft_blocks)])
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Conv1d(width, cfg.latent_dim, 1)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        spec = self.compressed(wav)
+        h = self.blocks(self.inp(torch.cat([spec.real, spec.imag], dim=1).to(wav.dtype)))
+        return self.out(self.norm(h.transpose(1, 2)).transpose(1, 2))
+
+
+class StftDecoder(_Stft):
+    def __init__(self, cfg: AudioTokenizerConfig):
+        super().__init__(cfg)
+        width = cfg.max_channels
+        self.inp = nn.Conv1d(cfg.latent_dim, width, 7, padding=3)
+        self.blocks = nn.Sequential(*[ConvNeXtBlock(width, 1 / max(cfg.stft_blocks, 1)) for _ in range(cfg.stft_blocks)])
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Conv1d(width, 2 * self.bins, 1)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.inp(latents))
+        re, im = self.out(self.norm(h.transpose(1, 2)).transpose(1, 2)).float().chunk(2, dim=1)
+        return self.synthesize(torch.complex(re, im))
+
+
 class AudioTokenizer(nn.Module):
     """encode: [B, 1, T] at 16 kHz -> codes [B, frames, L]; decode: codes (first k levels) -> [B, 1, frames*hop]."""
 
@@ -79,8 +165,8 @@ class AudioTokenizer(nn.Module):
 
         cfg.validate()
         self.cfg = cfg
-        self.encoder = Encoder(cfg)
-        self.decoder = Decoder(cfg)
+        self.encoder = StftEncoder(cfg) if cfg.arch == "stft" else Encoder(cfg)
+        self.decoder = StftDecoder(cfg) if cfg.arch == "stft" else Decoder(cfg)
         self.quantizer = ResidualVQ(dim=cfg.latent_dim, num_quantizers=cfg.levels, codebook_size=cfg.codebook_size,
                                     codebook_dim=cfg.code_dim, quantize_dropout=cfg.quantizer_dropout,
                                     kmeans_init=True, threshold_ema_dead_code=cfg.dead_code, decay=0.99,
@@ -130,6 +216,8 @@ class AudioTokenizer(nn.Module):
     def context_frames(self) -> int:
         """Frames of input on either side of a frame that can reach its latent: the encoder's
         receptive field (every convolution's span at its input's stride), in whole frames, plus one."""
+        if isinstance(self.encoder, StftEncoder):  # a frame's window reaches (overlap - 1) / 2 hops out
+            return 3 * len(self.encoder.blocks) + -(-(self.cfg.stft_overlap - 1) // 2) + 1
         span, jump = 0, 1
         for layer in self.encoder.modules():
             if isinstance(layer, nn.Conv1d):

@@ -29,7 +29,12 @@ from tokenloom.tokenizers.audio.adversarial import (
     generator_losses,
 )
 from tokenloom.tokenizers.audio.config import AudioTokenizerConfig
-from tokenloom.tokenizers.audio.model import AudioTokenizer, MultiScaleMel, parameter_count
+from tokenloom.tokenizers.audio.model import (
+    AudioTokenizer,
+    CompressedSpectralLoss,
+    MultiScaleMel,
+    parameter_count,
+)
 from tokenloom.tokenizers.loop import run_training
 from tokenloom.tokenizers.metrics import si_sdr
 
@@ -252,7 +257,8 @@ def train_audio(train_clips: list[np.ndarray], heldout: list[np.ndarray], cfg: A
         discriminator = MultiScaleSTFTDiscriminator(tuple(cfg.disc_scales), cfg.disc_channels).to(device)
         disc_optimizer = torch.optim.AdamW(discriminator.parameters(), lr=cfg.disc_lr, betas=(0.5, 0.9))
         companions.update(discriminator=discriminator, discriminator_optimizer=disc_optimizer)
-    weights = {"l1": cfg.l1_weight, "mel": cfg.mel_weight, "si_sdr": cfg.sisdr_weight,
+    spectral = CompressedSpectralLoss(cfg).to(device) if cfg.spec_weight else None
+    weights = {"l1": cfg.l1_weight, "mel": cfg.mel_weight, "si_sdr": cfg.sisdr_weight, "spec": cfg.spec_weight,
                "adversarial": cfg.adversarial_weight, "feature": cfg.feature_weight}
     balancer = None
     if cfg.balancer:
@@ -263,6 +269,8 @@ def train_audio(train_clips: list[np.ndarray], heldout: list[np.ndarray], cfg: A
         recon, _, commit = model(batch)
         recon = recon.float()[..., :batch.shape[-1]]
         losses = {"l1": F.l1_loss(recon, batch), "mel": mel(recon, batch)}
+        if spectral is not None:
+            losses["spec"] = spectral(recon, batch)
         if cfg.sisdr_weight:
             losses["si_sdr"] = -si_sdr_per_item(recon, batch) / 10  # negative dB / 10
         if discriminator is not None:
