@@ -110,27 +110,29 @@ def test_bundle_round_trip_gives_identical_codes(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ["conv", "stft"])
 def test_training_improves_and_resume_is_exact(tmp_path, speech, arch):
-    cfg = replace(TINY if arch == "conv" else replace(STFT, spec_weight=1.0), steps=8)
+    # the STFT codec starts nearer in mel (its output is a spectrum): 24 steps at 3e-3 take it from
+    # ~1.48 to ~1.32 and SI-SDR up ~11 dB
+    cfg = replace(TINY, steps=8) if arch == "conv" else replace(STFT, spec_weight=1.0, steps=24, lr=3e-3)
     train, held = speech
     store = tmp_path / "bundles"
     full = train_audio(train, held, cfg, store, tmp_path / "full", progress=False, device="cpu")
-    assert full.steps == 8 and set(full.heldout["by_levels"]) == {1, 2, 4}
+    assert full.steps == cfg.steps and set(full.heldout["by_levels"]) == {1, 2, 4}
     lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
-    assert len([r["loss"] for r in lines if "loss" in r]) == 8
+    assert len([r["loss"] for r in lines if "loss" in r]) == cfg.steps
     # one random 0.25 s segment per step makes the training loss too noisy to compare step to step;
     # the held-out mel distance is measured on fixed clips (seeds 0-2: 1 step ~2.0, 8 steps ~1.55)
     one = train_audio(train, held, replace(cfg, steps=1), tmp_path / "b1", tmp_path / "one", progress=False,
                       device="cpu")
-    if arch == "conv":
-        assert full.heldout["mel"] < 0.9 * one.heldout["mel"], "training improves held-out reconstruction"
-    else:  # the STFT codec starts nearer in mel (its output is a spectrum); it gains ~10 dB SI-SDR here
-        assert full.heldout["si_sdr"] > one.heldout["si_sdr"] + 5, "training improves held-out reconstruction"
+    assert full.heldout["mel"] < (0.9 if arch == "conv" else 0.93) * one.heldout["mel"], \
+        "training improves held-out reconstruction"
+    if arch == "stft":
+        assert full.heldout["si_sdr"] > one.heldout["si_sdr"] + 5
     assert (tmp_path / "full" / "eval-final" / "spectrograms.png").stat().st_size > 5000
     assert len(list((tmp_path / "full" / "eval-final").glob("*.wav"))) == 4
     run = tmp_path / "run"
     train_audio(train, held, cfg, store, run, progress=False, stop_after=3, device="cpu")
     resumed = train_audio(train, held, cfg, store, run, resume=True, progress=False, device="cpu")
-    assert resumed.steps == 8 and resumed.bundle.id == full.bundle.id, "resume continues exactly"
+    assert resumed.steps == cfg.steps and resumed.bundle.id == full.bundle.id, "resume continues exactly"
 
 
 def test_chunked_encoding_of_a_long_file_has_every_frame(tmp_path):
