@@ -119,7 +119,7 @@ def test_image_samples_follow_the_shard_contract(ingested):
     from tokenloom.tokenizers.vocab import VocabManifest
 
     vocab = VocabManifest.load(home.vocab / f"{rows[0]['vocab_id']}.json")
-    assert vocab.visual.size == 1024 and vocab.bundles["visual"] == visual.id
+    assert vocab.visual.size == 512 and vocab.bundles["visual"] == visual.id
     assert sorted(rows[0]["bundle_ids"]) == sorted([visual.id, vocab.bundles["text"]])
     captioned = next(r for r in rows if r["source"].endswith("retina.jpg"))
     text, image, tail = captioned["segments"]

@@ -61,6 +61,18 @@ def test_video_parts_round_trip(parts):
         assert sum(s["modality"] == "image" for s in timed) >= len(video.frames)
 
 
+def test_a_sound_track_without_audio_frames_is_no_sound_track():
+    # found by the property test above: such a track leaves no token, so it takes the silent form
+    silent = VideoPart(np.full((1, 1, 1), 7), np.array([3]), (np.zeros((0, 2), int),), np.array([3]))
+    assert silent.audio == () and len(silent.audio_times) == 0
+    assert silent == VideoPart(np.full((1, 1, 1), 7), np.array([3]))
+    assert LAYOUT.disassemble(*LAYOUT.assemble([silent])) == [silent]
+    sound = VideoPart(np.zeros((2, 1, 1), int), np.array([0, 500]), (np.zeros((0, 2), int), np.ones((3, 2), int)),
+                      np.array([0, 510]))
+    assert len(sound.audio) == 2 and list(sound.audio_times) == [0, 510], "one interval with frames keeps the track"
+    assert LAYOUT.disassemble(*LAYOUT.assemble([sound])) == [sound]
+
+
 def test_a_video_is_delimited_and_its_segments_carry_their_time():
     v = VideoPart(np.zeros((2, 2, 3), int), np.array([0, 500]), (np.ones((25, 2), int), np.ones((10, 2), int)),
                   np.array([0, 500]))

@@ -189,7 +189,7 @@ def test_codebook_diversity_loss_spreads_the_codes(weight):
     codes with the diversity term, and leaves them bunched without it."""
     model = VisualTokenizer(replace(TINY, vq_diversity=weight))
     g = torch.Generator().manual_seed(1)
-    model.init_codebook(torch.rand(64, 3, 32, 32, generator=g))  # 1,024 vectors for 1,024 codes
+    model.init_codebook(torch.rand(64, 3, 32, 32, generator=g))  # 1,024 vectors for the 512 codes
     model.train()
     start = model.quantizer.codebook[0].detach().clone() if model.quantizer.codebook.ndim == 2 else None
     assert start is not None

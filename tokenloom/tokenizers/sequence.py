@@ -78,6 +78,11 @@ class VideoPart:
         if self.audio and (len(self.audio) != len(frames) or len(self.audio_times) != len(frames)):
             raise ValueError(f"a video part with sound needs K={len(frames)} audio intervals and their times")
         audio_times = np.asarray(self.audio_times, dtype=np.int64)
+        if self.audio and not any(len(a) for a in self.audio):
+            # a sound track without a single audio frame leaves no token: it is the same sample as
+            # no sound track, and takes that one form (what `disassemble` gives back)
+            object.__setattr__(self, "audio", ())
+            audio_times = np.zeros(0, dtype=np.int64)
         if self.audio:  # an interval without audio frames has no time of its own: its frame's
             audio_times = np.where([len(a) > 0 for a in self.audio], audio_times, times)
         object.__setattr__(self, "times", times)
