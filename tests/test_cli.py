@@ -64,7 +64,7 @@ def test_a_damaged_bundle_is_named_in_one_line(tmp_path, text_bundle):
     shutil.copytree(text_bundle.path, home / "bundles" / text_bundle.id)
     model = VisualTokenizer(VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1,
                                                   vit_heads=2, fusion_heads=2))
-    model.init_codebook(torch.rand(2, 3, 32, 32))
+    model.init_codebook(torch.rand(64, 3, 32, 32))
     info = publish_bundle(model.eval(), home / "bundles")
     weights = info.path / "model.safetensors"
     weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:])  # the header length now says 2^64 - 1

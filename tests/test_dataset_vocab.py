@@ -81,7 +81,7 @@ def test_image_job_then_audio_job_share_no_id_and_train(tmp_path, text_bundle, m
     cfg.ingest.ray.progress_bars = False
     v = VisualTokenizer(VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1, vit_heads=2,
                                               fusion_heads=2, max_pixels=32 * 32, codebook_size=256))
-    v.init_codebook(torch.rand(4, 3, 32, 32))
+    v.init_codebook(torch.rand(64, 3, 32, 32))
     visual = publish_visual(v.eval(), home.bundles)
     a = AudioTokenizer(AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=2, codebook_size=32,
                                             code_dim=4, chunk_seconds=2.0))

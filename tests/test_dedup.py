@@ -207,7 +207,7 @@ def planted(tmp_path_factory, text_bundle, corpus_texts):
     cfg.visual_tokenizer = VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1,
                                                  vit_heads=2, fusion_heads=2, max_pixels=64 * 64)
     untrained = VisualTokenizer(cfg.visual_tokenizer)
-    untrained.init_codebook(torch.rand(4, 3, 32, 32))
+    untrained.init_codebook(torch.rand(64, 3, 32, 32))
     visual = publish_bundle(untrained.eval(), home.bundles)
     shutil.copytree(text_bundle.path, home.bundles / text_bundle.id)
     cfg.ingest.ray.progress_bars = False

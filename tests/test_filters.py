@@ -153,7 +153,7 @@ def filtered_job(tmp_path_factory, text_bundle, corpus_texts):
     cfg.visual_tokenizer = VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1,
                                                  vit_heads=2, fusion_heads=2, max_pixels=64 * 64)
     untrained = VisualTokenizer(cfg.visual_tokenizer)
-    untrained.init_codebook(torch.rand(4, 3, 32, 32))
+    untrained.init_codebook(torch.rand(64, 3, 32, 32))
     visual = publish_visual(untrained.eval(), home.bundles)
     cfg.audio_tokenizer = AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=4,
                                                codebook_size=32, code_dim=4, chunk_seconds=2.0)

@@ -53,7 +53,7 @@ def ingested(tmp_path_factory, text_bundle):
     cfg.visual_tokenizer = VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1,
                                                  vit_heads=2, fusion_heads=2, max_pixels=64 * 64)
     untrained = VisualTokenizer(cfg.visual_tokenizer)
-    untrained.init_codebook(torch.rand(4, 3, 32, 32))
+    untrained.init_codebook(torch.rand(64, 3, 32, 32))
     visual = publish_bundle(untrained.eval(), home.bundles)
     shutil.copytree(text_bundle.path, home.bundles / text_bundle.id)
     cfg.ingest.ray.progress_bars = False
@@ -169,7 +169,7 @@ def test_image_pool_worker_edge_cases(tmp_path, text_bundle):
     cfg = VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1, vit_heads=2, fusion_heads=2,
                                 max_pixels=64 * 64)
     untrained = VisualTokenizer(cfg)
-    untrained.init_codebook(torch.rand(4, 3, 32, 32))
+    untrained.init_codebook(torch.rand(64, 3, 32, 32))
     visual = publish_bundle(untrained.eval(), tmp_path)
     vocab = VocabManifest.build(text_bundle.config["vocab_size"], visual_size=1024)
     # the quality filters are off: this test feeds a flat 8x400 strip (which they drop, see

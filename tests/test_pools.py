@@ -237,7 +237,7 @@ def test_on_a_three_node_cluster_each_pool_runs_only_where_its_label_is(tmp_path
                                                  vit_heads=2, fusion_heads=2, max_pixels=64 * 64)
     torch.manual_seed(0)
     untrained = VisualTokenizer(cfg.visual_tokenizer)
-    untrained.init_codebook(torch.rand(4, 3, 32, 32))
+    untrained.init_codebook(torch.rand(64, 3, 32, 32))
     visual = publish_bundle(untrained.eval(), home.bundles)
     cfg.audio_tokenizer = AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=2,
                                                codebook_size=32, code_dim=4, chunk_seconds=2.0)

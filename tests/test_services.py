@@ -50,7 +50,7 @@ def services(tmp_path_factory, text_bundle):
                                                codebook_size=32, code_dim=4, chunk_seconds=2.0)
     torch.manual_seed(0)
     visual = VisualTokenizer(cfg.visual_tokenizer)
-    visual.init_codebook(torch.rand(4, 3, 32, 32))
+    visual.init_codebook(torch.rand(64, 3, 32, 32))
     publish_visual(visual.eval(), home.bundles)
     audio = AudioTokenizer(cfg.audio_tokenizer)
     audio.init_codebook(torch.randn(4, 1, 8000) * 0.1)

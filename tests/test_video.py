@@ -225,7 +225,9 @@ def test_the_two_video_stages_give_the_sample_of_one_pass(clips, text_bundle, tm
     torch.manual_seed(0)
     visual = VisualTokenizer(VisualTokenizerConfig(channels=8, latent_channels=16, vit_dim=16, vit_depth=1,
                                                    vit_heads=2, fusion_heads=2, image_size=32, max_pixels=32 * 32))
-    visual.init_codebook(torch.rand(4, 3, 32, 32))
+    # 1,024 vectors for 512 codes: k-means from fewer vectors samples duplicate codes, whose equal
+    # distances let the batch size decide the code (the worker's batch against this test's)
+    visual.init_codebook(torch.rand(64, 3, 32, 32))
     audio = AudioTokenizer(AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=2,
                                                 codebook_size=32, code_dim=4, chunk_seconds=1.0))
     audio.init_codebook(torch.randn(4, 1, 8000) * 0.1)
@@ -253,9 +255,10 @@ def test_the_two_video_stages_give_the_sample_of_one_pass(clips, text_bundle, tm
     # one pass, by hand
     frames = sample_frames(clip, video)
     size = fit_to_budget(frames.pixels.shape[1], frames.pixels.shape[2], video.max_frame_pixels, 8)
-    codes = visual.encode(resize_images(torch.stack([to_tensor(p) for p in frames.pixels]), size)).numpy()
-    blocks, _ = read_sound(clip, 1.0)
-    sound = encode_long(audio, blocks)
+    with torch.inference_mode():  # as the workers run them
+        codes = visual.encode(resize_images(torch.stack([to_tensor(p) for p in frames.pixels]), size)).numpy()
+        blocks, _ = read_sound(clip, 1.0)
+        sound = encode_long(audio, blocks)
     starts = interval_starts(frames.times, len(sound), 50.0)
     ends = np.r_[starts[1:], len(sound)]
     expected = VideoPart(codes, frames.times, tuple(sound[a:b] for a, b in zip(starts, ends, strict=True)),
@@ -284,7 +287,7 @@ def ingested(tmp_path_factory, text_bundle, clips):
     cfg.ingest.ray.progress_bars = False
     cfg.visual_tokenizer = VisualTokenizerConfig(image_size=32, max_pixels=32 * 32)
     visual = VisualTokenizer(cfg.visual_tokenizer)
-    visual.init_codebook(torch.rand(4, 3, 32, 32))
+    visual.init_codebook(torch.rand(64, 3, 32, 32))
     cfg.audio_tokenizer = AudioTokenizerConfig(channels=8, max_channels=32, latent_dim=16, levels=4,
                                                codebook_size=32, code_dim=4, chunk_seconds=2.0)
     audio = AudioTokenizer(cfg.audio_tokenizer)
