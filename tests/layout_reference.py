@@ -1,5 +1,6 @@
 """The stream's layout and packing rules as plain loops, the code `datasets/layout.py` and
-`datasets/packing.py` replaced with whole-array and bisection versions.
+`datasets/packing.py` replaced with segment tables, compiled loops (`datasets/compiled.py`) and
+bisection.
 
 Kept as oracles: the whole-array layout of many samples must give, for every sample, what
 `reference_positions` gives for that sample alone (tests/test_layout.py); `PackWindow` must take
@@ -11,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from tokenloom.contract import ATTENTION_IDS, DEFAULT_ATTENTION, IGNORE_INDEX, MODALITY_IDS, PAD_MODALITY
+from tokenloom.datasets.compiled import PAD_ID
 from tokenloom.datasets.layout import ROW_ID
-from tokenloom.datasets.packing import PAD_ID
 
 
 def reference_positions(tokens: np.ndarray, segments: list[dict] | None, group_size: int, audio_window: int) -> dict:

@@ -85,6 +85,10 @@ def test_bad_segments_say_what_is_wrong():
         sample_positions(tokens, [{"modality": "image", "start": 0, "length": 12, "grid": [3, 3]}], 1, 4)
     with pytest.raises(ValueError, match="do not fit groups of 2"):
         sample_positions(tokens, [{"modality": "audio", "start": 0, "length": 12, "grid": [4, 3]}], 2, 4)
+    with pytest.raises(ValueError, match=r"segment \[8, 20\) grid \[3, 4\] lies outside its sample's 12 tokens"):
+        sample_positions(tokens, [{"modality": "image", "start": 8, "length": 12, "grid": [3, 4]}], 1, 4)
+    with pytest.raises(ValueError, match="lies outside"):
+        sample_positions(tokens, [{"modality": "text", "start": -1, "length": 4}], 1, 4)
     table = pa.table({"tokens": pa.array([tokens.tolist()], pa.list_(pa.int32())),
                       "segments": pa.array([[{"modality": "video", "start": 0, "length": 12, "grid": [],
                                               "attention": None}]], pa.list_(SEGMENT_TYPE))})

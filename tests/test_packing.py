@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,8 +19,10 @@ from hypothesis import strategies as st
 from layout_reference import reference_assemble, reference_choose_row
 from multimodal_data import LAYOUT, MANIFEST, audio_sample, image_sample, text_sample, write_shard
 
+from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.contract import MODALITY_IDS, PAD_MODALITY
 from tokenloom.datasets import StreamConfig, TokenStream
+from tokenloom.datasets.layout import layout_table
 from tokenloom.datasets.packing import PackWindow, gather
 from tokenloom.datasets.stream import ROW_ID, EpochOrder, pack_row, sample_positions
 from tokenloom.model.unified import mask_indices
@@ -237,24 +240,32 @@ def test_the_window_takes_the_rows_the_plain_scan_chooses(seed, seq_len, refill)
 @given(seed=st.integers(0, 2**31), rows=st.integers(1, 6))
 def test_gather_builds_each_row_as_the_plain_assembly(seed, rows):
     """A batch of rows gathered at once, pieces of several samples and cut samples, equals the
-    per-row assembly of the same pieces."""
+    per-row assembly of the same pieces: from samples' written-out `Positions` (copied) and from a
+    window's `Layout` (expanded from its segment table where the row needs them)."""
     rng = np.random.default_rng(seed)
-    samples = [sample_positions(*(image_sample(rng, int(rng.integers(1, 4)), int(rng.integers(1, 5)), 3),
-                                  audio_sample(rng, int(rng.integers(2, 9))), text_sample(rng, int(rng.integers(3, 30))))
-                                [int(rng.integers(3))], 2, 4) for _ in range(8)]
+    raw = [(image_sample(rng, int(rng.integers(1, 4)), int(rng.integers(1, 5)), 3),
+            audio_sample(rng, int(rng.integers(2, 9))), text_sample(rng, int(rng.integers(3, 30))))
+           [int(rng.integers(3))] for _ in range(8)]
+    samples = [sample_positions(tokens, segments, 2, 4) for tokens, segments in raw]
+    table = pa.table({"tokens": pa.array([t.tolist() for t, _ in raw], pa.list_(pa.int32())),
+                      "segments": pa.array([s for _, s in raw], pa.list_(SEGMENT_TYPE))})
+    layout = layout_table(table.column("tokens"), table.column("segments"), 2, 4)
     seq_len = 48
-    plan = []
+    plan, from_layout = [], []
     for _ in range(rows):
         row, room = [], seq_len
         for s in rng.permutation(len(samples))[: int(rng.integers(1, 4))]:
             a = int(rng.integers(0, len(samples[s])))
             b = min(len(samples[s]), a + room)
             if b > a and room:
-                row.append((samples[s], a, b))
+                row.append((s, a, b))
                 room -= b - a
-        plan.append(row or [(samples[0], 0, min(len(samples[0]), seq_len))])
-    batch = gather(plan, seq_len, 2)
+        row = row or [(0, 0, min(len(samples[0]), seq_len))]
+        plan.append([(samples[s], a, b) for s, a, b in row])
+        from_layout.append([(layout, int(layout.offsets[s]) + a, int(layout.offsets[s]) + b) for s, a, b in row])
+    batches = gather(plan, seq_len, 2), gather(from_layout, seq_len, 2)
     for r, row in enumerate(plan):
         want = reference_assemble([(s, slice(a, b)) for s, a, b in row], seq_len, 2)
-        for key, value in want.items():
-            np.testing.assert_array_equal(batch[key][r], value, err_msg=key)
+        for batch in batches:
+            for key, value in want.items():
+                np.testing.assert_array_equal(batch[key][r], value, err_msg=key)

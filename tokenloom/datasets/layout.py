@@ -1,10 +1,15 @@
-"""Samples as positions, many at once: the stream's layout rules as whole-array operations.
+"""Samples as positions, many at once: the stream's layout rules as a table per segment.
 
-Why whole arrays. The stream reads a window of Parquet files and lays out every sample of it
-(ids grouped per position, targets, rotary coordinates, segments, attention); done one sample
-at a time in Python, that cost ~30x what reading the files costs. Here a window's segments come
-out of Arrow as columns, and every rule is an `np.repeat`/`cumsum`/mask over all positions of
-all samples, so the cost per position is a few array passes whatever the sample mix.
+Why a segment table. The stream reads a window of Parquet files and lays out every sample of it
+(ids grouped per position, targets, rotary coordinates, segments, attention). Done one sample at a
+time in Python that cost ~30x what reading the files costs; as whole-array numpy over every
+position, ~20 passes of int64 arrays per window, still several times the read. Here a window's
+segments come out of Arrow as columns and every per-segment fact (where its positions, tokens,
+coordinates and segment indices start, its grid, attention and window) is computed with array
+operations over segments, a few numbers each. Positions are written only where they are used,
+by one compiled loop (`datasets/compiled.py`): straight into a packed row, or into one sample's
+`Positions`. Reading a window to its layout now costs what reading the files costs
+(bench/bench_packing.py).
 
 The rules (the module docstring of `datasets/stream.py` states them; `Positions` is one
 sample's view). Per segment: a text token is one position; an audio frame of L codes (stored
@@ -19,9 +24,10 @@ group within the sample, except that nothing predicts a start row, the start row
 predict the next row's codes column by column, and of the last row only its last position
 predicts (what follows the image).
 
-`Layout` holds the flat arrays of N samples and their offsets; `Layout.sample(i)` is one sample
-as `Positions` (views, no copy). `layout_table` builds one from the shard contract's Arrow
-columns, `sample_positions` from one sample's tokens and segment dicts.
+`Layout` holds N samples' segment table, tokens and offsets; `Layout.sample(i)` writes one sample
+out as `Positions`, `Layout.expand` writes pieces of samples into rows. `layout_table` builds one
+from the shard contract's Arrow columns, `sample_positions` from one sample's tokens and segment
+dicts.
 """
 
 from __future__ import annotations
@@ -37,16 +43,14 @@ from tokenloom.contract import (
     ATTENTION_IDS,
     ATTENTION_KINDS,
     DEFAULT_ATTENTION,
-    IGNORE_INDEX,
     MODALITIES,
     MODALITY_IDS,
-    SPECIAL_TOKENS,
     TIME_TICK_MS,
 )
+from tokenloom.datasets.compiled import ROW_ID, empty_positions, expand_pieces
 
 __all__ = ["ROW_ID", "Layout", "Positions", "sample_positions", "layout_table"]
 
-ROW_ID = SPECIAL_TOKENS.index("<row>")  # the input id of an image's learned start row
 TEXT, IMAGE, AUDIO = MODALITY_IDS["text"], MODALITY_IDS["image"], MODALITY_IDS["audio"]
 WINDOW = ATTENTION_IDS["window"]
 _DEFAULT_ATTENTION = np.array([ATTENTION_IDS[DEFAULT_ATTENTION[m]] for m in MODALITIES])
@@ -73,22 +77,23 @@ class Positions:
 
 @dataclass
 class Layout:
-    """N samples' positions, flat: sample i holds positions [offsets[i], offsets[i + 1])."""
+    """N samples laid out: sample i holds positions [offsets[i], offsets[i + 1]) and segments
+    [sample_segments[i], sample_segments[i + 1]) of the segment table.
 
-    ids: np.ndarray  # [P, G]
-    labels: np.ndarray  # [P, G]
-    modality: np.ndarray  # [P]
-    target: np.ndarray  # [P]
-    coords: np.ndarray  # [P, 3]
-    segment: np.ndarray  # [P]
-    attention: np.ndarray  # [P]
-    window: np.ndarray  # [P]
+    Positions are not kept: a segment's row of the table (`datasets/compiled.py`'s columns) states
+    all of its positions, and `compiled.expand_pieces` writes them where they are used (into a
+    packed row, or `sample(i)` for one sample), so a window costs its tokens and a few numbers per
+    segment, not ~20 per position."""
+
+    segments: np.ndarray  # [S, SEGMENT_COLUMNS] int64
+    sample_segments: np.ndarray  # [N + 1]
     offsets: np.ndarray  # [N + 1]
     ends_row: np.ndarray  # [N] bool
     media_offsets: np.ndarray  # [N + 1]: sample i's media segments are rows [media_offsets[i], media_offsets[i+1])
     media: np.ndarray  # [M, 2] sample-local [start, stop) of every image/audio segment
     tokens: np.ndarray  # the samples' flat tokens (int32)
     token_offsets: np.ndarray  # [N + 1]
+    group_size: int = 1  # id slots per position
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -103,15 +108,26 @@ class Layout:
         return self.tokens[self.token_offsets[i] : self.token_offsets[i + 1]]
 
     def sample(self, i: int) -> Positions:
-        s = slice(int(self.offsets[i]), int(self.offsets[i + 1]))
-        return Positions(self.ids[s], self.modality[s], self.coords[s], self.segment[s], self.attention[s],
-                         self.window[s], bool(self.ends_row[i]), self.labels[s], self.target[s], self.media_of(i))
+        """Sample i's positions, written out (int64)."""
+        P, G = self.length(i), self.group_size
+        ids, labels, modality, target, coords, segment, attention, window = empty_positions(P, G)
+        one = np.array([self.offsets[i]], dtype=np.int64)
+        self.expand(one, np.array([P], dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                    (ids, labels, modality, target, coords, segment, attention, window), np.empty(P, np.int64))
+        return Positions(ids, modality, coords, segment, attention, window, bool(self.ends_row[i]), labels, target,
+                         self.media_of(i))
+
+    def expand(self, start: np.ndarray, n: np.ndarray, dest: np.ndarray, doc: np.ndarray, out: tuple,
+               docs: np.ndarray) -> None:
+        """Write pieces [start, start + n) of this layout's positions at `dest` of the position arrays
+        `out` (ids, labels, modality, target, coords, segment, attention, window), `doc` into `docs`."""
+        expand_pieces(self.tokens, self.segments, self.sample_segments, self.offsets, start, n, dest, doc, *out, docs)
 
 
 def sample_positions(tokens: np.ndarray, segments: Sequence[dict] | None, group_size: int,
                   audio_window: int) -> Positions:
     """One sample's flat tokens and segment dicts -> its positions and targets."""
-    tokens = np.asarray(tokens)
+    tokens = np.ascontiguousarray(tokens, dtype=np.int32)  # as a shard holds them (one compiled signature)
     if not segments:
         segments = [{"modality": "text", "start": 0, "length": len(tokens), "grid": [], "attention": None}]
     unknown = [s["modality"] for s in segments if s["modality"] not in MODALITY_IDS]
@@ -222,7 +238,7 @@ def _layout(tokens: np.ndarray, token_offsets: np.ndarray, seg: _Segments, n: in
     G = group_size
     mod, length, h, w = seg.modality, seg.length, seg.grid0, seg.grid1
     image, audio = mod == IMAGE, mod == AUDIO
-    _check(seg, image, audio, G)
+    _check(seg, image, audio, G, np.diff(token_offsets))
     S = len(mod)
     counts = np.bincount(seg.sample, minlength=n)
     first_seg = np.r_[0, np.cumsum(counts)][:-1]  # each sample's first segment
@@ -238,46 +254,8 @@ def _layout(tokens: np.ndarray, token_offsets: np.ndarray, seg: _Segments, n: in
     window = np.where(attention == WINDOW, audio_window, 0)
     seg_pos = np.r_[0, np.cumsum(npos)]
     offsets = np.r_[0, np.cumsum(np.bincount(seg.sample, weights=npos, minlength=n))].astype(np.int64)
-    P = int(seg_pos[-1])
-    # per position
-    pseg = np.repeat(np.arange(S), npos)
-    j = np.arange(P, dtype=np.int64) - seg_pos[:-1][pseg]
-    p_image, p_audio = image[pseg], audio[pseg]
-    p_w = np.maximum(w, 1)[pseg]
-    tok0 = (token_offsets[seg.sample] + seg.start)[pseg]  # where each position's segment starts in `tokens`
-    levels = np.where(audio, w, 1)[pseg]
-    r, c = np.divmod(j, p_w)
-    code = np.where(p_image, j - p_w, j * levels)  # the segment-relative token of slot 0
-    start_row = p_image & (j < p_w)
-    ids = np.full((P, G), -1, dtype=np.int64)
-    ids[:, 0] = np.where(start_row, ROW_ID, tokens[np.where(start_row, tok0, tok0 + code)])
-    for slot in range(1, G):
-        has = p_audio & (levels > slot)
-        ids[has, slot] = tokens[tok0[has] + code[has] + slot]
-    modality = mod[pseg]
-    base = p0[pseg]
-    t = base + tick[pseg] + np.where(p_image, 0, j)
-    coords = np.stack([t, np.where(p_image, base + r, t), np.where(p_image, base + c, t)], axis=1)
-    segment = seg0[pseg] + np.where(p_image, r, 0)
-    # targets: the next position's group within the sample
-    labels = np.full((P, G), IGNORE_INDEX, dtype=np.int64)
-    target = np.full(P, -1, dtype=np.int64)
-    labels[:-1], target[:-1] = ids[1:], modality[1:]
-    given = np.zeros(P, dtype=bool)
-    given[:-1] = ids[1:, 0] == ROW_ID  # the next position is a start row: it is given
-    nonempty = offsets[1:] > offsets[:-1]
-    last = np.zeros(P, dtype=bool)
-    last[offsets[1:][nonempty] - 1] = True
-    off = given | last
-    labels[off], target[off] = IGNORE_INDEX, -1
-    p_h = h[pseg]
-    predicts_row = p_image & (j < p_h * p_w)  # the start row and rows 0..h-2: the next row's code in column c
-    labels[predicts_row] = IGNORE_INDEX
-    labels[predicts_row, 0] = tokens[tok0[predicts_row] + j[predicts_row]]
-    target[predicts_row] = IMAGE
-    last_row = p_image & (j >= p_h * p_w) & (j < (p_h + 1) * p_w - 1)
-    labels[last_row], target[last_row] = IGNORE_INDEX, -1
-    labels[labels < 0] = IGNORE_INDEX
+    table = np.stack([mod, seg_pos[:-1], npos, token_offsets[seg.sample] + seg.start, p0, tick, seg0, h, w,
+                      attention, window], axis=1).astype(np.int64)
     # per sample: a windowed segment followed by more of the sample; media segments
     closes = (window > 0) & (npos > window) & (np.arange(S) < last_seg[seg.sample])
     ends_row = np.bincount(seg.sample[closes], minlength=n) > 0
@@ -285,8 +263,8 @@ def _layout(tokens: np.ndarray, token_offsets: np.ndarray, seg: _Segments, n: in
     local = seg_pos[:-1] - offsets[seg.sample]
     media = np.stack([local[is_media], local[is_media] + npos[is_media]], axis=1)
     media_offsets = np.r_[0, np.cumsum(np.bincount(seg.sample[is_media], minlength=n))]
-    return Layout(ids, labels, modality, target, coords, segment, attention[pseg], window[pseg], offsets, ends_row,
-                  media_offsets, media, tokens, token_offsets)
+    return Layout(table, np.r_[0, np.cumsum(counts)], offsets, ends_row, media_offsets, media, tokens,
+                  token_offsets, group_size=G)
 
 
 def _video_clock(seg: _Segments, image: np.ndarray, npos: np.ndarray, advance: np.ndarray
@@ -311,7 +289,15 @@ def _video_clock(seg: _Segments, image: np.ndarray, npos: np.ndarray, advance: n
     return tick, advance
 
 
-def _check(seg: _Segments, image: np.ndarray, audio: np.ndarray, group_size: int) -> None:
+def _check(seg: _Segments, image: np.ndarray, audio: np.ndarray, group_size: int, sample_lengths: np.ndarray) -> None:
+    # the compiled layout reads tokens without bounds checks: every segment must lie in its sample
+    outside = (seg.start < 0) | (seg.length < 0) | (seg.start + seg.length > sample_lengths[seg.sample])
+    outside |= (image | audio) & ((seg.grid0 < 0) | (seg.grid1 < 0))
+    if outside.any():
+        k = int(np.flatnonzero(outside)[0])
+        raise ValueError(f"segment [{int(seg.start[k])}, {int(seg.start[k] + seg.length[k])}) grid "
+                         f"{[int(seg.grid0[k]), int(seg.grid1[k])]} lies outside its sample's "
+                         f"{int(sample_lengths[seg.sample[k]])} tokens")
     bad_audio = audio & (seg.grid0 * seg.grid1 != seg.length)
     if bad_audio.any():
         k = int(np.flatnonzero(bad_audio)[0])

@@ -23,10 +23,11 @@ audio is followed by more of its sample (`Positions.ends_row`) must be the last 
 its row: a row takes at most one such piece and places it last. The rest of a row is padding:
 modality `PAD_MODALITY`, no targets, a causal segment of the row's last document.
 
-Building rows (`gather`). A row is a list of pieces (a source of positions, start, stop): the
-positions of a whole batch of rows are gathered from their sources with one index array per
-source and key, and the padding, documents and row-unique segment ids are set over the batch at
-once, so the cost is a few array passes per batch, not a loop over keys and pieces per row.
+Building rows (`gather`). A row is a list of pieces (a source of positions, start, stop). The
+pieces of a whole batch of rows are written by one compiled loop per source
+(`datasets/compiled.py`): a window's `Layout` writes them from its segment table, positions
+already written out (`Positions`) are copied; one more loop pads the rows and numbers their
+documents' segments. Each position of a batch is visited once, whatever the keys.
 
 Fill ratio: a row's non-padding positions over `seq_len`; a batch's is the mean over its rows
 (rows have equal lengths), which the stream yields as `fill_ratio` [B] beside the row keys.
@@ -40,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from tokenloom.contract import ATTENTION_IDS, IGNORE_INDEX, PAD_MODALITY, SPECIAL_TOKENS
-
-PAD_ID = SPECIAL_TOKENS.index("<pad>")  # the input id of padding positions (no target uses them)
+from tokenloom.contract import PAD_MODALITY
+from tokenloom.datasets.compiled import copy_pieces, empty_positions, finish_rows
+from tokenloom.datasets.layout import Layout
 
 # a piece of a row: an object holding position arrays (`Layout`, `Positions`) and [start, stop) of them
 Piece = tuple[Any, int, int]
@@ -99,13 +100,6 @@ class PackWindow:
         insort(self._keys[closes], (length << _AGE_BITS) | ((1 << _AGE_BITS) - 1 - self._age))
         self._age += 1
 
-    def detach(self, source: Any) -> None:
-        """Give the pending pieces that hold positions of `source` copies of those positions, so that
-        `source` (a window's whole layout) can be freed while they wait."""
-        for age, (name, (src, start, stop), closes) in self._pieces.items():
-            if src is source:
-                self._pieces[age] = (name, (_Span(src, start, stop), 0, stop - start), closes)
-
     def _remove(self, age: int) -> tuple[Piece, bool]:
         _, piece, closes = self._pieces.pop(age)
         keys = self._keys[closes]
@@ -141,14 +135,6 @@ class PackWindow:
         return chosen + ([last] if last is not None else [])
 
 
-class _Span:
-    """Positions [start, stop) of a source, copied out of it (a piece outliving its window)."""
-
-    def __init__(self, source: Any, start: int, stop: int):
-        for name in POSITION_FIELDS:
-            setattr(self, name, getattr(source, name)[start:stop].copy())
-
-
 def gather(rows: Sequence[Sequence[Piece]], seq_len: int, group_size: int) -> dict[str, np.ndarray]:
     """Rows of pieces, each piece its own document, as a batch [B, seq_len, ...] under the row keys,
     padded after each row's last piece (see the module docstring). Raises if a row does not fit."""
@@ -166,46 +152,29 @@ def gather(rows: Sequence[Sequence[Piece]], seq_len: int, group_size: int) -> di
     ends = np.cumsum(n)
     first_piece = np.r_[0, np.cumsum(np.bincount(row_of, minlength=B))][:-1]
     in_row = ends - n - (ends - n)[first_piece][row_of]  # where each piece starts in its row
-    local = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - n, n)
-    dest = np.repeat(row_of * L + in_row, n) + local
-    src = np.repeat(start, n) + local
+    dest = row_of * L + in_row
     owners: dict[int, int] = {}
     source_of = np.array([owners.setdefault(id(p[0]), len(owners)) for _, _, p in pieces], dtype=np.int64)
     objects = {owners[id(p[0])]: p[0] for _, _, p in pieces}
-    out = {
-        "ids": np.full((B * L, G), -1, dtype=np.int64), "labels": np.full((B * L, G), IGNORE_INDEX, dtype=np.int64),
-        "modality": np.full(B * L, PAD_MODALITY, dtype=np.int64), "target_modality": np.full(B * L, -1, dtype=np.int64),
-        "coords": np.zeros((B * L, 3), dtype=np.int64), "attention": np.full(B * L, ATTENTION_IDS["causal"], dtype=np.int64),
-        "window": np.zeros(B * L, dtype=np.int64),
-    }
-    out["ids"][:, 0] = PAD_ID
-    segment = np.full(B * L, -1, dtype=np.int64)  # padding: a segment of its own
-    fields = (("ids", "ids"), ("labels", "labels"), ("modality", "modality"), ("target_modality", "target"),
-              ("coords", "coords"), ("attention", "attention"), ("window", "window"))
-    if len(objects) == 1:
-        parts = [(objects[0], dest, src)]
-    else:
-        by_position = np.repeat(source_of, n)
-        parts = [(obj, dest[by_position == k], src[by_position == k]) for k, obj in objects.items()]
-    for obj, d, s in parts:
-        for key, name in fields:
-            out[key][d] = getattr(obj, name)[s]
-        segment[d] = obj.segment[s]
-    # padding after each row's last piece: coordinates go on from its last one, no targets
-    col = np.tile(np.arange(L, dtype=np.int64), B)
-    row = np.repeat(np.arange(B, dtype=np.int64), L)
-    pad = col >= used[row]
-    last_t = out["coords"][np.arange(B) * L + used - 1, 0]
-    out["coords"][pad] = (last_t[row[pad]] + 1 + col[pad] - used[row[pad]])[:, None]
-    docs = np.repeat(np.bincount(row_of, minlength=B) - 1, L)  # padding: the row's last document
-    docs[dest] = np.repeat(doc, n)
-    # a segment id unique within the row: a new one at each change of (document, segment)
-    key = np.where(pad, -1, docs * 1_000_000 + segment)
-    segment_ids = np.cumsum(np.r_[False, key[1:] != key[:-1]])
-    segment_ids -= segment_ids[row * L]  # each row counts from 0
-    out["doc_ids"], out["segment_ids"] = docs, segment_ids
-    shapes = {"ids": (B, L, G), "labels": (B, L, G), "coords": (B, L, 3)}
-    return {k: v.reshape(shapes.get(k, (B, L))) for k, v in out.items()}
+    ids, labels, modality, target, coords, segment, attention, window = empty_positions(B * L, G)
+    docs, segment_ids = np.empty(B * L, np.int64), np.empty(B * L, np.int64)
+    # one compiled pass per source writes its pieces (a `Layout` expands them from its segment table,
+    # `Positions` are copied), one more pads the rows and numbers their segments
+    outs = (ids, labels, modality, target, coords, segment, attention, window)
+    for k, obj in objects.items():
+        mine = source_of == k if len(objects) > 1 else slice(None)
+        if isinstance(obj, Layout):
+            obj.expand(start[mine], n[mine], dest[mine], doc[mine], outs, docs)
+        else:
+            copy_pieces(dest[mine], start[mine], n[mine], doc[mine], obj.ids, obj.labels, obj.modality, obj.target,
+                        obj.coords, obj.segment, obj.attention, obj.window, *outs, docs)
+    finish_rows(used, np.bincount(row_of, minlength=B) - 1, L, ids, labels, modality, target, coords, segment,
+                attention, window, docs, segment_ids)
+    out = {"ids": ids.reshape(B, L, G), "labels": labels.reshape(B, L, G), "modality": modality.reshape(B, L),
+           "target_modality": target.reshape(B, L), "coords": coords.reshape(B, L, 3),
+           "doc_ids": docs.reshape(B, L), "segment_ids": segment_ids.reshape(B, L),
+           "attention": attention.reshape(B, L), "window": window.reshape(B, L)}
+    return out
 
 
 def pack_row(samples: Sequence[Any], seq_len: int) -> dict[str, np.ndarray]:

@@ -51,6 +51,7 @@ import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -58,8 +59,9 @@ import pyarrow.parquet as pq
 
 from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.catalog.uris import filesystem_and_path
+from tokenloom.datasets.compiled import PAD_ID
 from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
-from tokenloom.datasets.packing import PAD_ID, PackWindow, Piece, fill_ratio, gather, pack_row, split_points
+from tokenloom.datasets.packing import PackWindow, Piece, fill_ratio, gather, pack_row, split_points
 
 __all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "SourceSpec", "StreamConfig",
            "StreamExhausted", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
@@ -104,10 +106,9 @@ class StreamConfig:
     sources: list[SourceSpec] = field(default_factory=list)  # a mixture; empty: the dataset trained on
 
 
-@dataclass(frozen=True)
-class PendingPiece:
+class PendingPiece(NamedTuple):
     """A piece pulled into the packing window and not yet packed: positions [start, stop) of a
-    rank-local sample."""
+    rank-local sample. (A named tuple: one is made per sample streamed.)"""
 
     epoch: int
     cursor: int
@@ -159,8 +160,8 @@ def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: 
             t.column("segments").cast(segments_type) if "segments" in t.column_names
             else pa.chunked_array([pa.nulls(len(t), segments_type)])
         ).chunks], segments_type)
-    if rows is not None:
-        tokens = tokens.take(rows)
+    if rows is not None and not (len(rows) == len(tokens) and (len(rows) == 0 or rows[-1] == len(rows) - 1)):
+        tokens = tokens.take(rows)  # (all rows, ascending, are the columns as read: no copy)
         segments = None if segments is None else segments.take(rows)
     return layout_table(tokens, segments, group_size, audio_window)
 
@@ -206,6 +207,24 @@ class EpochOrder:
         self.total = start
 
 
+@dataclass
+class _FileWindow:
+    """A window of files of one epoch, the samples this rank takes laid out, and per rank-local
+    cursor in [first, stop) (at cursor - first): its index in the layout, length and first position
+    there, whether it closes its row, and its sample id (when some samples are excluded). Plain
+    lists: the packer reads them one sample at a time."""
+
+    epoch: int
+    first: int
+    stop: int
+    layout: Layout
+    index: list[int]
+    length: list[int]
+    base: list[int]
+    closes: list[bool]
+    sample_ids: list[str] | None
+
+
 class TokenStream:
     """An endless iterator of packed rows for one data-parallel rank."""
 
@@ -235,11 +254,8 @@ class TokenStream:
         if config.pack_window < 1:
             raise ValueError(f"stream.pack_window must be at least 1, got {config.pack_window}")
         self._order: EpochOrder | None = None
-        # window index -> (the samples of its files this rank takes, laid out; for each place in the
-        # window's order, that sample's index in the layout, -1 where another rank's; their sample
-        # ids when some are excluded, else None). One window in memory at a time, besides pieces
-        # still pending from older ones.
-        self._cache: dict[int, tuple[Layout, np.ndarray, np.ndarray | None]] = {}
+        # the window of files in memory (one at a time, besides pieces still pending from older ones)
+        self._cache: _FileWindow | None = None
         self._window = PackWindow()  # the packing window, its pieces named by `PendingPiece`
         self._epoch = self._cursor = self._skipped = self._removed = 0
         self._excluded: frozenset[str] = frozenset()
@@ -255,14 +271,14 @@ class TokenStream:
                 raise ValueError(f"the {self.config.split} split has {self._order.total} samples, too few for "
                                  f"{self.world} ranks")
             self._order_epoch = epoch
+            self._per_epoch = (self._order.total - self.rank + self.world - 1) // self.world
             self._drop_cache()
         return self._order
 
     def _drop_cache(self) -> None:
-        """Forget the window's layout; pieces still pending keep copies of their positions, not it."""
-        for layout, _, _ in self._cache.values():
-            self._window.detach(layout)
-        self._cache.clear()
+        """Forget the window in memory (pieces still pending keep their window's layout: its tokens
+        and segment table)."""
+        self._cache = None
 
     def exclude(self, sample_ids) -> None:
         """Never read these samples again (a later snapshot deleted them); see the module docstring."""
@@ -272,32 +288,37 @@ class TokenStream:
             self._drop_cache()  # read the windows again, with their sample ids
 
     def samples_per_epoch(self, epoch: int = 0) -> int:
-        total = self._epoch_order(epoch).total
-        return (total - self.rank + self.world - 1) // self.world
+        if self._order is None or self._order_epoch != epoch:
+            self._epoch_order(epoch)
+        return self._per_epoch
 
     def _raw(self, epoch: int, cursor: int) -> tuple[Layout, int]:
         """The laid-out window holding a rank-local sample, and the sample's index in it."""
-        layout, i, _ = self._raw_with_id(epoch, cursor)
-        return layout, i
+        window = self._window_of(epoch, cursor)
+        return window.layout, window.index[cursor - window.first]
 
-    def _raw_with_id(self, epoch: int, cursor: int) -> tuple[Layout, int, str | None]:
-        """`_raw`, and the sample's id when some samples are excluded (else None)."""
+    def _window_of(self, epoch: int, cursor: int) -> _FileWindow:
+        """The window of files holding a rank-local sample, laid out (read when not in memory)."""
+        cached = self._cache
+        if cached is not None and cached.epoch == epoch and cached.first <= cursor < cached.stop:
+            return cached
         order = self._epoch_order(epoch)
         global_index = cursor * self.world + self.rank
         w = int(np.searchsorted(order.window_starts, global_index, side="right") - 1)
-        if w not in self._cache:
-            self._drop_cache()
-            members, perm = order.windows[w]
-            mine = (order.window_starts[w] + np.arange(len(perm))) % self.world == self.rank
-            rows = np.sort(perm[mine])
-            paths = [order.files[i].path for i in members]
-            layout = read_layout(paths, self.group_size, self.config.audio_window, rows)
-            where = np.full(len(perm), -1, dtype=np.int64)
-            where[mine] = np.searchsorted(rows, perm[mine])
-            self._cache[w] = (layout, where, read_sample_ids(paths, rows) if self._excluded else None)
-        layout, where, ids = self._cache[w]
-        i = int(where[global_index - order.window_starts[w]])
-        return layout, i, None if ids is None else ids[i]
+        self._drop_cache()
+        members, perm = order.windows[w]
+        g0 = order.window_starts[w]
+        mine = (g0 + np.arange(len(perm))) % self.world == self.rank
+        rows = np.sort(perm[mine])
+        paths = [order.files[i].path for i in members]
+        layout = read_layout(paths, self.group_size, self.config.audio_window, rows)
+        index = np.searchsorted(rows, perm[mine])  # rank-local cursor order -> index in the layout
+        first = -(-(g0 - self.rank) // self.world)  # the window's first rank-local cursor
+        ids = read_sample_ids(paths, rows)[index].tolist() if self._excluded else None
+        self._cache = _FileWindow(epoch, first, first + len(index), layout, index.tolist(),
+                                  np.diff(layout.offsets)[index].tolist(), layout.offsets[index].tolist(),
+                                  layout.ends_row[index].tolist(), ids)
+        return self._cache
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
         """The flat tokens of a rank-local sample."""
@@ -316,18 +337,24 @@ class TokenStream:
 
     def _pull(self) -> None:
         """Move the next sample into the packing window, as pieces (or skip it, counted)."""
-        if self.exhausted:
+        if self.passes and self.exhausted:
             return
         while self._cursor >= self.samples_per_epoch(self._epoch):
             self._epoch, self._cursor = self._epoch + 1, 0
         epoch, cursor = self._epoch, self._cursor
         self._cursor += 1
-        layout, i, sample_id = self._raw_with_id(epoch, cursor)
-        if sample_id is not None and sample_id in self._excluded:
+        window = self._window_of(epoch, cursor)
+        k = cursor - window.first
+        if window.sample_ids is not None and window.sample_ids[k] in self._excluded:
             self._removed += 1
             return
-        length = layout.length(i)
-        points = split_points(length, layout.media_of(i) if length > self.config.seq_len else (), self.config.seq_len)
+        length, base = window.length[k], window.base[k]
+        if length <= self.config.seq_len:  # the common case: one piece
+            self._window.add(PendingPiece(epoch, cursor, 0, length), (window.layout, base, base + length),
+                             window.closes[k])
+            return
+        layout, i = window.layout, window.index[k]
+        points = split_points(length, layout.media_of(i), self.config.seq_len)
         if points is None:
             self._skipped += 1
             longest = max(b - a for a, b in layout.media_of(i))
@@ -350,11 +377,11 @@ class TokenStream:
     def next_plan(self) -> list[Piece]:
         """The pieces of the next packed row, in row order (`datasets/packing.py`); `gather` builds rows."""
         in_a_row = 0  # samples pulled in a row that gave no piece
-        while len(self._window) < self.config.pack_window and not self.exhausted:
+        while len(self._window) < self.config.pack_window and not (self.passes and self.exhausted):
             before = len(self._window)
             self._pull()
             in_a_row = 0 if len(self._window) > before else in_a_row + 1
-            if in_a_row > self.samples_per_epoch(self._epoch):
+            if in_a_row and in_a_row > self.samples_per_epoch(self._epoch):
                 if len(self._window):  # a whole epoch gave nothing more: pack what is pending
                     break
                 if self._removed:

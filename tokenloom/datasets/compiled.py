@@ -1,0 +1,198 @@
+"""The stream's per-position loops, compiled (numba): writing positions into rows.
+
+Why compiled. Stated as whole-array numpy, the layout rules cost one pass over every position per
+rule: ~20 passes of int64 arrays per window of files and ~15 per batch of rows, several times what
+reading the same Parquet files costs (bench/bench_packing.py). Here each job is one loop that
+writes every field of a position once. The per-segment and per-piece bookkeeping (a few numbers
+per segment or piece: `layout.py`, `packing.py`) stays in numpy with the callers; these loops
+only expand it to positions.
+
+The rules are those of `stream.py`'s and `layout.py`'s docstrings; tests/layout_reference.py keeps
+them as plain Python, and tests/test_layout.py and tests/test_packing.py check these loops
+against it. Compiled once per machine into numba's cache (`cache=True`, under `__pycache__`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from tokenloom.contract import ATTENTION_IDS, IGNORE_INDEX, MODALITY_IDS, PAD_MODALITY, SPECIAL_TOKENS
+
+ROW_ID = SPECIAL_TOKENS.index("<row>")  # the input id of an image's learned start row
+PAD_ID = SPECIAL_TOKENS.index("<pad>")  # the input id of padding positions (no target uses them)
+_IMAGE, _AUDIO = MODALITY_IDS["image"], MODALITY_IDS["audio"]
+_CAUSAL = ATTENTION_IDS["causal"]
+
+
+# the columns of a layout's segment table (`Layout.segments`, int64 [S, SEGMENT_COLUMNS]): modality,
+# first position (in the layout), positions, first token (in the layout's tokens), base coordinate,
+# video tick, first segment index within the sample, grid (h, w), attention kind, attention window
+MOD, POS, NPOS, TOK, P0, TICK, SEG0, H, W, ATT, WIN = range(11)
+SEGMENT_COLUMNS = 11
+
+
+@njit(cache=True, nogil=True)
+def _write_group(tokens, seg, k, j, out, q, empty):
+    """The ids of position j of segment k into out[q] (unused slots `empty`)."""
+    for slot in range(out.shape[1]):
+        out[q, slot] = empty
+    mod = seg[k, MOD]
+    if mod == _IMAGE:
+        pw = max(seg[k, W], 1)
+        out[q, 0] = ROW_ID if j < pw else tokens[seg[k, TOK] + j - pw]
+    elif mod == _AUDIO:
+        levels = seg[k, W]
+        for slot in range(levels):
+            out[q, slot] = tokens[seg[k, TOK] + j * levels + slot]
+    else:
+        out[q, 0] = tokens[seg[k, TOK] + j]
+
+
+@njit(cache=True, nogil=True)
+def _label_across(tokens, seg, k, g, sample_last, labels, target, q):
+    """The target of a segment's last position g (written at q): the first group of the sample's
+    next non-empty segment, none at the sample's end or when that segment is an image (its start
+    row is given, not predicted)."""
+    for slot in range(labels.shape[1]):
+        labels[q, slot] = IGNORE_INDEX
+    target[q] = -1
+    if g >= sample_last:
+        return
+    k2 = k + 1
+    while seg[k2, NPOS] == 0:
+        k2 += 1
+    if seg[k2, MOD] != _IMAGE:
+        _write_group(tokens, seg, k2, 0, labels, q, IGNORE_INDEX)
+        target[q] = seg[k2, MOD]
+
+
+@njit(cache=True, nogil=True)
+def expand_pieces(tokens, seg, sample_segments, offsets, start, n, dest, doc, ids, labels, modality, target, coords,
+                  segment, attention, window, docs):
+    """Pieces of a layout, written as positions: piece p is the layout's positions [start[p],
+    start[p] + n[p]) (within one sample), written at dest[p] with document doc[p]. The sample's
+    segments are `seg` rows [sample_segments[i], sample_segments[i + 1]), its positions
+    [offsets[i], offsets[i + 1]); every field and the target of each position is computed here
+    from them (one visit per position, no per-position layout kept). One loop per modality: a
+    position's target is the next position's group of its own segment, except for image rows and
+    a segment's last position (`_label_across`)."""
+    G = ids.shape[1]
+    for p in range(len(start)):
+        a, b = start[p], start[p] + n[p]
+        i = np.searchsorted(offsets, a, side="right") - 1
+        sample_last = offsets[i + 1] - 1
+        shift, d = dest[p] - a, doc[p]
+        for k in range(sample_segments[i], sample_segments[i + 1]):
+            s0, npos = seg[k, POS], seg[k, NPOS]
+            if s0 >= b:
+                break
+            lo, hi = max(a, s0), min(b, s0 + npos)
+            mod, base, tick, seg0, h, w = seg[k, MOD], seg[k, P0], seg[k, TICK], seg[k, SEG0], seg[k, H], seg[k, W]
+            att, win, tok = seg[k, ATT], seg[k, WIN], seg[k, TOK]
+            for g in range(lo, hi):
+                q = g + shift
+                modality[q], attention[q], window[q], docs[q] = mod, att, win, d
+                for slot in range(1, G):
+                    ids[q, slot] = -1
+                    labels[q, slot] = IGNORE_INDEX
+            if mod == _IMAGE:
+                pw = max(w, 1)
+                j0 = lo - s0
+                r, c = j0 // pw, j0 % pw
+                t = base + tick
+                for g in range(lo, hi):
+                    j, q = g - s0, g + shift
+                    ids[q, 0] = ROW_ID if r == 0 else tokens[tok + j - pw]
+                    coords[q, 0], coords[q, 1], coords[q, 2] = t, base + r, base + c
+                    segment[q] = seg0 + r
+                    if r < h:  # the start row and rows 0..h-2: the next row's code in column c
+                        labels[q, 0], target[q] = tokens[tok + j], _IMAGE
+                    elif j < npos - 1:  # the last row, but its last position: no target
+                        labels[q, 0], target[q] = IGNORE_INDEX, -1
+                    else:
+                        _label_across(tokens, seg, k, g, sample_last, labels, target, q)
+                    c += 1
+                    if c == pw:
+                        r, c = r + 1, 0
+            elif mod == _AUDIO:
+                for g in range(lo, hi):
+                    j, q = g - s0, g + shift
+                    for slot in range(w):
+                        ids[q, slot] = tokens[tok + j * w + slot]
+                    t = base + tick + j
+                    coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
+                    segment[q] = seg0
+                    if j < npos - 1:
+                        for slot in range(w):
+                            labels[q, slot] = tokens[tok + (j + 1) * w + slot]
+                        target[q] = mod
+                    else:
+                        _label_across(tokens, seg, k, g, sample_last, labels, target, q)
+            else:
+                for g in range(lo, hi):
+                    j, q = g - s0, g + shift
+                    ids[q, 0] = tokens[tok + j]
+                    t = base + tick + j
+                    coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
+                    segment[q] = seg0
+                    if j < npos - 1:
+                        labels[q, 0], target[q] = tokens[tok + j + 1], mod
+                    else:
+                        _label_across(tokens, seg, k, g, sample_last, labels, target, q)
+
+
+@njit(cache=True, nogil=True)
+def copy_pieces(dest, src, n, doc, ids, labels, modality, target, coords, segment, attention, window,
+                o_ids, o_labels, o_modality, o_target, o_coords, o_segment, o_attention, o_window, o_docs):
+    """Pieces of one source into a flat batch: piece k's n[k] positions from src[k] to dest[k],
+    each marked with its document doc[k]."""
+    G = o_ids.shape[1]
+    for k in range(len(dest)):
+        for i in range(n[k]):
+            a, b = src[k] + i, dest[k] + i
+            for slot in range(G):
+                o_ids[b, slot] = ids[a, slot]
+                o_labels[b, slot] = labels[a, slot]
+            o_coords[b, 0], o_coords[b, 1], o_coords[b, 2] = coords[a, 0], coords[a, 1], coords[a, 2]
+            o_modality[b], o_target[b], o_segment[b] = modality[a], target[a], segment[a]
+            o_attention[b], o_window[b], o_docs[b] = attention[a], window[a], doc[k]
+
+
+@njit(cache=True, nogil=True)
+def finish_rows(used, last_doc, seq_len, ids, labels, modality, target, coords, segment, attention, window, docs,
+                segment_ids):
+    """Pad each row after its `used` positions (no targets, coordinates going on from the last
+    one, the row's last document `last_doc`) and number its segments: a new id at each change of
+    (document, segment), padding a segment of its own, counting from 0 per row."""
+    G = ids.shape[1]
+    for r in range(len(used)):
+        row0, u = r * seq_len, used[r]
+        last_t = coords[row0 + u - 1, 0]
+        for col in range(u, seq_len):
+            q = row0 + col
+            ids[q, 0] = PAD_ID
+            labels[q, 0] = IGNORE_INDEX
+            for slot in range(1, G):
+                ids[q, slot] = -1
+                labels[q, slot] = IGNORE_INDEX
+            t = last_t + 1 + col - u
+            coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
+            modality[q], target[q], attention[q], window[q] = PAD_MODALITY, -1, _CAUSAL, 0
+            docs[q], segment[q] = last_doc[r], -1
+        sid = 0
+        segment_ids[row0] = 0
+        for col in range(1, seq_len):
+            q = row0 + col
+            pad, was_pad = col >= u, col - 1 >= u
+            if pad != was_pad or (not pad and (docs[q] != docs[q - 1] or segment[q] != segment[q - 1])):
+                sid += 1
+            segment_ids[q] = sid
+
+
+def empty_positions(P: int, G: int) -> tuple[np.ndarray, ...]:
+    """Uninitialized int64 arrays for P positions of G slots: ids, labels, modality, target, coords,
+    segment, attention, window (every entry is written by `expand_pieces` or `copy_pieces`, and
+    `finish_rows`)."""
+    return (np.empty((P, G), np.int64), np.empty((P, G), np.int64), np.empty(P, np.int64), np.empty(P, np.int64),
+            np.empty((P, 3), np.int64), np.empty(P, np.int64), np.empty(P, np.int64), np.empty(P, np.int64))
