@@ -22,8 +22,9 @@ from multimodal_data import LAYOUT, MANIFEST, audio_sample, image_sample, text_s
 from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.contract import MODALITY_IDS, PAD_MODALITY
 from tokenloom.datasets import StreamConfig, TokenStream
+from tokenloom.datasets.compiled import CLOSES, CURSOR, PEND_COLUMNS, PPOS, START, STOP, _cut, _take_row
 from tokenloom.datasets.layout import layout_table
-from tokenloom.datasets.packing import PackWindow, gather
+from tokenloom.datasets.packing import gather
 from tokenloom.datasets.stream import ROW_ID, EpochOrder, pack_row, sample_positions
 from tokenloom.model.unified import mask_indices
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
@@ -218,22 +219,38 @@ def test_long_sample_is_cut_only_in_text_and_oversized_media_is_skipped_and_coun
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), seq_len=st.integers(4, 64), refill=st.integers(1, 40))
 def test_the_window_takes_the_rows_the_plain_scan_chooses(seed, seq_len, refill):
-    """`PackWindow` (sorted keys, bisection) against the plain scan over the pending pieces, with
-    closing pieces and a window refilled between rows as the stream refills it."""
+    """The compiled row rule (a table of pending pieces in stream order, `compiled._take_row`)
+    against the plain scan over the pending pieces, with closing pieces and a window refilled
+    between rows as the stream refills it."""
     rng = np.random.default_rng(seed)
-    window, pending, age = PackWindow(), [], 0
+    pend, n_pend, pending, age = np.zeros((64, PEND_COLUMNS), dtype=np.int64), 0, [], 0
+    out = np.zeros((64, 3), dtype=np.int64)
     for _ in range(30):
         while len(pending) < refill:
             length, closes = int(rng.integers(1, seq_len + 1)), bool(rng.random() < 0.15)
             pending.append((age, length, closes))
-            window.add(age, (None, 0, length), closes)
-            age += 1
+            pend[n_pend, CURSOR], pend[n_pend, START], pend[n_pend, STOP] = age, 0, length
+            pend[n_pend, PPOS], pend[n_pend, CLOSES] = age, closes
+            n_pend, age = n_pend + 1, age + 1
         want = [pending[k] for k in reference_choose_row([p[1] for p in pending], [p[2] for p in pending], seq_len)]
-        got = window.take_row(seq_len)
-        assert [p[2] for p in got] == [w[1] for w in want]
+        n, n_pend = _take_row(pend, n_pend, seq_len, out, 0)
+        assert out[:n, 2].tolist() == [w[1] for w in want]
+        assert out[:n, 1].tolist() == [w[0] for w in want]  # the very pieces, by position
         taken = {w[0] for w in want}
         pending = [p for p in pending if p[0] not in taken]
-        assert window.names() == [p[0] for p in pending]
+        assert pend[:n_pend, CURSOR].tolist() == [p[0] for p in pending]  # the rest, in stream order
+
+
+def test_a_long_sample_is_cut_as_late_as_the_row_allows_outside_its_media():
+    """30 positions, an image at [8, 14), rows of 10: the first cut would fall inside the image and
+    moves back to its start; the rest fall where the rows end. A media segment longer than a row
+    cannot be placed (-1), nor can one that starts a piece and does not fit it."""
+    start, stop = np.zeros(8, dtype=np.int64), np.zeros(8, dtype=np.int64)
+    media = np.array([[8, 14]], dtype=np.int64)
+    n = _cut(30, media, 0, 1, 10, start, stop, 0, True)
+    assert list(zip(start[:n].tolist(), stop[:n].tolist(), strict=True)) == [(0, 8), (8, 18), (18, 28), (28, 30)]
+    assert _cut(30, np.array([[2, 15]], dtype=np.int64), 0, 1, 10, start, stop, 0, False) == -1
+    assert _cut(9, media[:0], 0, 0, 10, start, stop, 0, True) == 1 and (start[0], stop[0]) == (0, 9)
 
 
 @settings(max_examples=25, deadline=None)

@@ -33,6 +33,11 @@ media segment ever crosses a row; a sample whose media segment alone exceeds a r
 and counted. An audio sample whose windowed frames are followed by its transcript is the last
 document of its row (FlashMask's two intervals per column), as before. `batches` yields each
 row's fill ratio (non-padding positions / `seq_len`) as `fill_ratio` [B] beside the row keys.
+When a window of files is read, its samples are cut into pieces at once (`compiled.cut_samples`);
+rows are then chosen many at a time by `compiled.plan_rows` (the pending pieces a table in stream
+order) and written straight from the windows' segment tables (`packing.gather_planned`), so the
+Python here runs per batch and per window, not per sample or per row. A window's layout stays in
+memory while pieces of it pend.
 
 Deletions (follow mode). `exclude(sample_ids)` drops samples a later snapshot deleted: from then
 on, a pulled sample whose `sample_id` is excluded gives no piece and is counted (`removed`);
@@ -59,9 +64,24 @@ import pyarrow.parquet as pq
 
 from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.catalog.uris import filesystem_and_path
-from tokenloom.datasets.compiled import PAD_ID
+from tokenloom.datasets.compiled import (
+    COUNTERS,
+    FIRST_SKIP,
+    N_PEND,
+    NEXT,
+    NOTHING_FITS,
+    NOTHING_LEFT,
+    PAD_ID,
+    PEND_COLUMNS,
+    REMOVED,
+    SKIPPED,
+    SRC,
+    STOP,
+    cut_samples,
+    plan_rows,
+)
 from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
-from tokenloom.datasets.packing import PackWindow, Piece, fill_ratio, gather, pack_row, split_points
+from tokenloom.datasets.packing import Piece, fill_ratio, gather_planned, pack_row
 
 __all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "SourceSpec", "StreamConfig",
            "StreamExhausted", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
@@ -209,20 +229,31 @@ class EpochOrder:
 
 @dataclass
 class _FileWindow:
-    """A window of files of one epoch, the samples this rank takes laid out, and per rank-local
-    cursor in [first, stop) (at cursor - first): its index in the layout, length and first position
-    there, whether it closes its row, and its sample id (when some samples are excluded). Plain
-    lists: the packer reads them one sample at a time."""
+    """A window of files of one epoch, the samples this rank takes laid out (`layout`, source id
+    `src` of the stream), and per rank-local cursor in [first, stop), at cursor - first: its index in
+    the layout, first position there, whether it closes its row, its status (0: pieces, 1: skipped,
+    2: removed) and its pieces piece_ptr[k]..piece_ptr[k + 1] of (piece_start, piece_stop), as
+    `compiled.plan_rows` reads them."""
 
     epoch: int
     first: int
     stop: int
+    src: int
     layout: Layout
-    index: list[int]
-    length: list[int]
-    base: list[int]
-    closes: list[bool]
-    sample_ids: list[str] | None
+    index: np.ndarray
+    base: np.ndarray
+    closes: np.ndarray
+    status: np.ndarray
+    piece_ptr: np.ndarray
+    piece_start: np.ndarray
+    piece_stop: np.ndarray
+    most_pieces: int  # of one sample
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+# no window: `plan_rows` only packs what pends (the passes are read)
+_NO_SAMPLES = _FileWindow(0, 0, 0, -1, None, _EMPTY, _EMPTY, _EMPTY, _EMPTY, np.zeros(1, dtype=np.int64), _EMPTY,
+                          _EMPTY, 0)
 
 
 class TokenStream:
@@ -256,8 +287,13 @@ class TokenStream:
         self._order: EpochOrder | None = None
         # the window of files in memory (one at a time, besides pieces still pending from older ones)
         self._cache: _FileWindow | None = None
-        self._window = PackWindow()  # the packing window, its pieces named by `PendingPiece`
-        self._epoch = self._cursor = self._skipped = self._removed = 0
+        # the packing window: pending pieces in stream order (`compiled.plan_rows`' table), its counters,
+        # and the layouts its pieces come from, by source id
+        self._pend = np.zeros((config.pack_window + 16, PEND_COLUMNS), dtype=np.int64)
+        self._counters = np.zeros(COUNTERS, dtype=np.int64)
+        self._sources: dict[int, Layout] = {}
+        self._next_src = 0
+        self._epoch = self._cursor = 0
         self._excluded: frozenset[str] = frozenset()
         self._warned = False  # one warning per stream about skipped samples; the count says the rest
         self.state = state or StreamState()
@@ -298,7 +334,8 @@ class TokenStream:
         return window.layout, window.index[cursor - window.first]
 
     def _window_of(self, epoch: int, cursor: int) -> _FileWindow:
-        """The window of files holding a rank-local sample, laid out (read when not in memory)."""
+        """The window of files holding a rank-local sample, laid out and cut into pieces (read when
+        not in memory)."""
         cached = self._cache
         if cached is not None and cached.epoch == epoch and cached.first <= cursor < cached.stop:
             return cached
@@ -314,10 +351,22 @@ class TokenStream:
         layout = read_layout(paths, self.group_size, self.config.audio_window, rows)
         index = np.searchsorted(rows, perm[mine])  # rank-local cursor order -> index in the layout
         first = -(-(g0 - self.rank) // self.world)  # the window's first rank-local cursor
-        ids = read_sample_ids(paths, rows)[index].tolist() if self._excluded else None
-        self._cache = _FileWindow(epoch, first, first + len(index), layout, index.tolist(),
-                                  np.diff(layout.offsets)[index].tolist(), layout.offsets[index].tolist(),
-                                  layout.ends_row[index].tolist(), ids)
+        lengths = np.diff(layout.offsets)[index]
+        status = np.zeros(len(index), dtype=np.int64)
+        if self._excluded:
+            ids = read_sample_ids(paths, rows)[index]
+            status[[k for k, sample_id in enumerate(ids) if sample_id in self._excluded]] = 2
+        # pieces: a sample that fits a row is one; a longer one is cut outside its media, or skipped
+        piece_ptr, piece_start, piece_stop = cut_samples(lengths.astype(np.int64), index.astype(np.int64),
+                                                         layout.media_offsets.astype(np.int64),
+                                                         layout.media.astype(np.int64).reshape(-1, 2),
+                                                         self.config.seq_len, status)
+        src, self._next_src = self._next_src, self._next_src + 1
+        self._sources[src] = layout
+        self._cache = _FileWindow(epoch, first, first + len(index), src, layout, index,
+                                  layout.offsets[index].astype(np.int64), layout.ends_row[index].astype(np.int64),
+                                  status, piece_ptr, piece_start, piece_stop,
+                                  int(np.diff(piece_ptr).max(initial=1)))
         return self._cache
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
@@ -335,67 +384,79 @@ class TokenStream:
             self._epoch, self._cursor = self._epoch + 1, 0
         return self._epoch >= self.passes
 
-    def _pull(self) -> None:
-        """Move the next sample into the packing window, as pieces (or skip it, counted)."""
-        if self.passes and self.exhausted:
-            return
-        while self._cursor >= self.samples_per_epoch(self._epoch):
-            self._epoch, self._cursor = self._epoch + 1, 0
-        epoch, cursor = self._epoch, self._cursor
-        self._cursor += 1
-        window = self._window_of(epoch, cursor)
-        k = cursor - window.first
-        if window.sample_ids is not None and window.sample_ids[k] in self._excluded:
-            self._removed += 1
-            return
-        length, base = window.length[k], window.base[k]
-        if length <= self.config.seq_len:  # the common case: one piece
-            self._window.add(PendingPiece(epoch, cursor, 0, length), (window.layout, base, base + length),
-                             window.closes[k])
-            return
-        layout, i = window.layout, window.index[k]
-        points = split_points(length, layout.media_of(i), self.config.seq_len)
-        if points is None:
-            self._skipped += 1
-            longest = max(b - a for a, b in layout.media_of(i))
-            if not self._warned:
-                warnings.warn(f"a sample (epoch {epoch}, rank {self.rank} sample {cursor}) has a media segment "
-                              f"of {longest} positions, longer than stream.seq_len {self.config.seq_len}: media is "
-                              f"never split across rows, so such samples are skipped and counted in the stream "
-                              f"state's `skipped`; set stream.seq_len to at least {longest} to keep them", stacklevel=3)
-                self._warned = True
-            return
-        pieces = [PendingPiece(epoch, cursor, a, b) for a, b in zip(points[:-1], points[1:], strict=True)]
-        self._add_pieces(self._window, layout, i, pieces)
-
-    @staticmethod
-    def _add_pieces(window: PackWindow, layout: Layout, i: int, pieces: Sequence[PendingPiece]) -> None:
-        base, closes = int(layout.offsets[i]), bool(layout.ends_row[i])
-        for p in pieces:
-            window.add(p, (layout, base + p.start, base + p.stop), closes)
-
-    def next_plan(self) -> list[Piece]:
-        """The pieces of the next packed row, in row order (`datasets/packing.py`); `gather` builds rows."""
-        in_a_row = 0  # samples pulled in a row that gave no piece
-        while len(self._window) < self.config.pack_window and not (self.passes and self.exhausted):
-            before = len(self._window)
-            self._pull()
-            in_a_row = 0 if len(self._window) > before else in_a_row + 1
-            if in_a_row and in_a_row > self.samples_per_epoch(self._epoch):
-                if len(self._window):  # a whole epoch gave nothing more: pack what is pending
-                    break
-                if self._removed:
+    def _plan(self, rows: int) -> tuple[dict[int, Layout], np.ndarray, np.ndarray]:
+        """The next `rows` rows as pieces (source id, position, length), row r's at
+        pieces[row_ptr[r]:row_ptr[r + 1]], and the layouts they name (`compiled.plan_rows` chooses
+        them; this feeds it windows of samples, epoch after epoch, and turns its reasons into errors
+        and warnings)."""
+        cap = rows * min(self.config.seq_len, len(self._pend))
+        pieces, row_ptr = np.empty((cap, 3), dtype=np.int64), np.zeros(rows + 1, dtype=np.int64)
+        made, counters = 0, self._counters
+        while made < rows:
+            refill = not (self.passes and self.exhausted)
+            if refill:
+                while self._cursor >= self.samples_per_epoch(self._epoch):
+                    self._epoch, self._cursor = self._epoch + 1, 0
+                window = self._window_of(self._epoch, self._cursor)
+                self._reserve(int(counters[N_PEND]) + self.config.pack_window + window.most_pieces)
+            else:
+                window = _NO_SAMPLES
+            if len(pieces) < row_ptr[made] + len(self._pend) * (rows - made):
+                pieces = np.concatenate([pieces, np.empty((len(self._pend) * rows, 3), dtype=np.int64)])
+            counters[NEXT] = self._cursor
+            n, reason = plan_rows(self._pend, counters, rows - made, self.config.pack_window, self.config.seq_len,
+                                  refill, self._epoch, window.first, window.src, window.base, window.closes,
+                                  window.status, window.piece_ptr, window.piece_start, window.piece_stop,
+                                  self.samples_per_epoch(self._epoch) if refill else 0, pieces, row_ptr[made:])
+            self._cursor = int(counters[NEXT])
+            made += n
+            self._warn_skipped(window)
+            if reason == NOTHING_LEFT:
+                raise StreamExhausted(f"rank {self.rank} has read its {self.passes} pass(es)")
+            if reason == NOTHING_FITS:
+                if counters[REMOVED]:
                     raise NoSampleFits(f"every sample of rank {self.rank} was deleted by a later snapshot or is "
                                        f"longer than stream.seq_len {self.config.seq_len}: nothing left to stream")
                 raise NoSampleFits(f"no sample of rank {self.rank} fits a row of stream.seq_len "
                                    f"{self.config.seq_len} (each has a media segment longer than that): raise seq_len")
-        if not len(self._window):
-            raise StreamExhausted(f"rank {self.rank} has read its {self.passes} pass(es)")
-        return self._window.take_row(self.config.seq_len)
+        pieces = pieces[: row_ptr[rows]]
+        used = {src: self._sources[src] for src in set(pieces[:, 0].tolist())}
+        live = set(self._pend[: counters[N_PEND], SRC].tolist())  # forget layouts no pending piece needs
+        if self._cache is not None:
+            live.add(self._cache.src)
+        self._sources = {k: v for k, v in self._sources.items() if k in live}
+        return used, pieces, row_ptr
+
+    def _reserve(self, n: int) -> None:
+        if n > len(self._pend):
+            grown = np.zeros((2 * n, PEND_COLUMNS), dtype=np.int64)
+            grown[: len(self._pend)] = self._pend
+            self._pend = grown
+
+    def _warn_skipped(self, window: _FileWindow) -> None:
+        cursor = int(self._counters[FIRST_SKIP])
+        if cursor < 0 or self._warned:
+            return
+        self._warned = True
+        k = cursor - window.first
+        longest = max((b - a for a, b in window.layout.media_of(int(window.index[k]))), default=0) \
+            if 0 <= k < len(window.index) else 0
+        warnings.warn(f"a sample (rank {self.rank} sample {cursor}) has a media segment of {longest} positions, "
+                      f"longer than stream.seq_len {self.config.seq_len}: media is never split across rows, so such "
+                      f"samples are skipped and counted in the stream state's `skipped`; set stream.seq_len to at "
+                      f"least {longest} to keep them", stacklevel=4)
+
+    def next_plan(self) -> list[Piece]:
+        """The pieces of the next packed row, in row order (`datasets/packing.py`); `gather` builds rows."""
+        sources, pieces, _ = self._plan(1)
+        return [(sources[src], pos, pos + n) for src, pos, n in pieces.tolist()]
 
     def next_row(self) -> dict[str, np.ndarray]:
         """The next packed row (see `datasets/packing.py`)."""
-        return {k: v[0] for k, v in gather([self.next_plan()], self.config.seq_len, self.group_size).items()}
+        return {k: v[0] for k, v in self._gather(1).items()}
+
+    def _gather(self, rows: int) -> dict[str, np.ndarray]:
+        return gather_planned(*self._plan(rows), self.config.seq_len, self.group_size)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         while True:
@@ -405,26 +466,34 @@ class TokenStream:
         """Batches of rows [B, ...] under the row keys, plus `fill_ratio` [B] float64: each row's
         non-padding share, whose mean is the batch's fill ratio."""
         while True:
-            batch = gather([self.next_plan() for _ in range(batch_size)], self.config.seq_len, self.group_size)
+            batch = self._gather(batch_size)
             batch["fill_ratio"] = fill_ratio(batch["modality"])
             yield batch
 
     @property
     def state(self) -> StreamState:
-        return StreamState(self._epoch, self._cursor, tuple(self._window.names()), self._skipped, self._removed)
+        c = self._counters
+        pending = tuple(PendingPiece(*p) for p in self._pend[: c[N_PEND], :STOP + 1].tolist())
+        return StreamState(self._epoch, self._cursor, pending, int(c[SKIPPED]), int(c[REMOVED]))
 
     @state.setter
     def state(self, state: StreamState) -> None:
-        window = PackWindow()
+        rows = []
         for p in state.pending:
-            layout, i = self._raw(p.epoch, p.cursor)
-            if not 0 <= p.start < p.stop <= layout.length(i):
+            window = self._window_of(p.epoch, p.cursor)
+            k = p.cursor - window.first
+            length = window.layout.length(int(window.index[k]))
+            if not 0 <= p.start < p.stop <= length:
                 raise ValueError(f"stream state names positions [{p.start}, {p.stop}) of a sample of "
-                                 f"{layout.length(i)}: it was saved for other data or stream settings")
-            self._add_pieces(window, layout, i, [p])
-        self._window = window
-        self._epoch, self._cursor, self._skipped = state.epoch, state.cursor, state.skipped
-        self._removed = state.removed
+                                 f"{length}: it was saved for other data or stream settings")
+            rows.append([p.epoch, p.cursor, p.start, p.stop, window.src, int(window.base[k]) + p.start,
+                         int(window.closes[k])])
+        self._reserve(len(rows) + self.config.pack_window)
+        self._pend[: len(rows)] = np.array(rows, dtype=np.int64).reshape(len(rows), PEND_COLUMNS)
+        self._counters[:] = 0
+        self._counters[N_PEND], self._counters[SKIPPED], self._counters[REMOVED] = len(rows), state.skipped, state.removed
+        self._counters[FIRST_SKIP] = -1
+        self._epoch, self._cursor = state.epoch, state.cursor
 
     def state_dict(self) -> dict:
         return self.state.to_dict()
