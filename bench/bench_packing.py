@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.contract import PAD_MODALITY
 from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
-from tokenloom.datasets.stream import ROW_ID, EpochOrder, read_layout, sample_positions
+from tokenloom.datasets.stream import ROW_ID, EpochOrder, forget_read_tables, read_layout, sample_positions
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
 from tokenloom.tokenizers.vocab import VocabManifest
 
@@ -115,7 +115,9 @@ def old_packer(module, files, rows: int) -> tuple[float, int, float]:
 
 
 def stream_rate(files, cfg: StreamConfig, rows: int) -> tuple[float, float, int]:
-    """(fill ratio, tokens/s, skipped) of `rows` rows of a fresh stream, reading included."""
+    """(fill ratio, tokens/s, skipped) of `rows` rows of a fresh stream, reading included (no shard
+    kept from an earlier read)."""
+    forget_read_tables()
     t0 = time.perf_counter()
     stream = TokenStream(files, cfg)
     with warnings.catch_warnings():
@@ -130,6 +132,7 @@ def stream_rate(files, cfg: StreamConfig, rows: int) -> tuple[float, float, int]
 def read_layout_rate(files, cfg: StreamConfig) -> float:
     """tokens/s of the stream's reading alone: each window of files to its layout (segment tables)."""
     order = EpochOrder(files, cfg.seed, 0, cfg.shuffle_window)
+    forget_read_tables()
     t0, tokens = time.perf_counter(), 0
     for members, _ in order.windows:
         layout = read_layout([order.files[i].path for i in members], GROUP, AUDIO_WINDOW)

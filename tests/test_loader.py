@@ -273,3 +273,28 @@ def test_a_later_snapshot_deleting_rows_of_a_segment_still_being_read_stops_them
     rest = [next(it) for _ in range(30)]
     marked = sum(int((b["ids"][..., 0] == MANIFEST.text.start + new_id).sum()) for b in [first, *rest])
     assert marked == 2 * CFG.pack_window * 3
+
+
+def test_the_canonical_readers_decode_each_file_once(tmp_path, monkeypatch):
+    """Four readers read the same windows of files, each taking its share of the rows: each file is
+    decoded once for all of them (the stream keeps the last shards read), and a file rewritten at the
+    same path is decoded again, never served from the old read."""
+    import pyarrow.parquet as pq
+
+    from tokenloom.datasets import stream as stream_module
+
+    stream_module.forget_read_tables()
+    reads = []
+    real = pq.read_table
+    monkeypatch.setattr(pq, "read_table", lambda path, *a, **k: reads.append(str(path)) or real(path, *a, **k))
+    files = _files(tmp_path, n_files=4, per_file=12)
+    cfg = StreamConfig(seq_len=64, group_size=2, audio_window=4, shuffle_window=2)
+    loader = Loader([Source("m", tuple(files))], cfg, readers=4)
+    batches = loader.batches(4)
+    for _ in range(12):  # past the end of the first epoch of every reader
+        next(batches)
+    assert sorted(reads) == sorted(str(f.path) for f in files)
+    before = [_crc(next(Loader([Source("m", tuple(files))], cfg, readers=4).batches(4)), i) for i in range(4)]
+    rewritten = _files(tmp_path, n_files=4, per_file=12, seed=6)  # same paths, other samples
+    after = [_crc(next(Loader([Source("m", tuple(rewritten))], cfg, readers=4).batches(4)), i) for i in range(4)]
+    assert len(reads) > len(files) and after != before

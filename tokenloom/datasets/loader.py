@@ -179,6 +179,23 @@ class _Reader:
         self.rows += 1
         return self.names[k], -1, self.streams[k].next_plan()
 
+    def next_plans(self, count: int) -> list[tuple[str, int, list[Piece]]]:
+        """`next_plan` for the next `count` rows: each source's stream plans its rows in one call
+        (the rows are those of `count` calls of `next_plan`: a row's source is drawn from its place,
+        and each stream is asked in the same order). Row by row while a segment is being read."""
+        if any(stream is not None for _, stream in self.segments):
+            return [self.next_plan() for _ in range(count)]
+        rows = np.arange(self.rows, self.rows + count)
+        drawn = np.zeros(count, dtype=np.int64) if len(self.streams) == 1 else \
+            draw_sources(self.weights, self.config.seed, self.stage, self.index, rows)
+        out: list = [None] * count
+        for k in np.unique(drawn).tolist():
+            at = np.flatnonzero(drawn == k).tolist()
+            for i, plan in zip(at, self.streams[k].next_plans(len(at)), strict=True):
+                out[i] = (self.names[k], -1, plan)
+        self.rows += count
+        return out
+
     def state_dict(self) -> dict:
         return {"rows": self.rows, "sources": {n: s.state_dict() for n, s in zip(self.names, self.streams,
                                                                                    strict=True)},
@@ -253,14 +270,19 @@ class Loader:
 
     def next_rows(self, count: int) -> list[tuple[int, str, int, list[Piece]]]:
         """This rank's share of the next `count` x world global rows: (global row, source, segment, the
-        row's pieces)."""
-        out = []
-        for j in range(count):
-            g = self.rows + self.rank + self.world * j
-            reader = self.own[g % self.readers]
-            if reader.index + self.readers * reader.rows != g:
-                raise RuntimeError(f"reader {reader.index} is at row {reader.rows}, global row {g} expected")
-            out.append((g, *reader.next_plan()))
+        row's pieces). Each reader plans its share in one call (readers are independent)."""
+        places = [self.rows + self.rank + self.world * j for j in range(count)]
+        mine: dict[int, list[int]] = {}
+        for j, g in enumerate(places):
+            mine.setdefault(g % self.readers, []).append(j)
+        out: list = [None] * count
+        for c, js in mine.items():
+            reader = self.own[c]
+            if reader.index + self.readers * reader.rows != places[js[0]]:
+                raise RuntimeError(f"reader {reader.index} is at row {reader.rows}, global row {places[js[0]]} "
+                                   "expected")
+            for j, plan in zip(js, reader.next_plans(len(js)), strict=True):
+                out[j] = (places[j], *plan)
         self.rows += count * self.world
         return out
 

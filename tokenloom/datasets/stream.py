@@ -37,7 +37,8 @@ When a window of files is read, its samples are cut into pieces at once (`compil
 rows are then chosen many at a time by `compiled.plan_rows` (the pending pieces a table in stream
 order) and written straight from the windows' segment tables (`packing.gather_planned`), so the
 Python here runs per batch and per window, not per sample or per row. A window's layout stays in
-memory while pieces of it pend.
+memory while pieces of it pend, and the last shards read are kept (up to 256 MB) so that the
+canonical readers of a source, which read the same windows, decode each file once.
 
 Deletions (follow mode). `exclude(sample_ids)` drops samples a later snapshot deleted: from then
 on, a pulled sample whose `sample_id` is excluded gives no piece and is counted (`removed`);
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import warnings
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -161,16 +163,7 @@ class StreamState:
 def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: np.ndarray | None = None) -> Layout:
     """The samples of Parquet token shards, in file and row order, laid out (`datasets/layout.py`);
     with `rows`, only those (indices into the files' samples taken together, ascending)."""
-    tables = []
-    for path in paths:
-        filesystem, inner = filesystem_and_path(path)
-        try:
-            schema = pq.read_schema(inner, filesystem=filesystem)
-            columns = ["tokens", "segments"] if "segments" in schema.names else ["tokens"]
-            table = pq.read_table(inner, columns=columns, filesystem=filesystem)
-        except (OSError, ValueError) as exc:
-            raise OSError(f"cannot read token shard {path}: {exc}") from exc
-        tables.append(table)
+    tables = [_token_table(path) for path in paths]
     list_type = pa.list_(pa.int32())
     tokens = pa.chunked_array([c for t in tables for c in t.column("tokens").cast(list_type).chunks], list_type)
     segments = None
@@ -184,6 +177,41 @@ def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: 
         tokens = tokens.take(rows)  # (all rows, ascending, are the columns as read: no copy)
         segments = None if segments is None else segments.take(rows)
     return layout_table(tokens, segments, group_size, audio_window)
+
+
+class _RecentTables:
+    """The token columns of the last shards read, so that the canonical readers of a source (which
+    read the same windows of files, each taking its share of the rows) decode each file once, not
+    once per reader. Keyed by path, size and modification time; at most `budget` bytes."""
+
+    def __init__(self, budget: int = 256 << 20):
+        self.budget, self.tables = budget, OrderedDict()
+
+    def get(self, path: str) -> pa.Table:
+        filesystem, inner = filesystem_and_path(path)
+        try:
+            info = filesystem.get_file_info(inner)
+            key = (path, info.size, info.mtime_ns)
+            table = self.tables.pop(key, None)
+            if table is None:
+                schema = pq.read_schema(inner, filesystem=filesystem)
+                columns = ["tokens", "segments"] if "segments" in schema.names else ["tokens"]
+                table = pq.read_table(inner, columns=columns, filesystem=filesystem)
+        except (OSError, ValueError) as exc:
+            raise OSError(f"cannot read token shard {path}: {exc}") from exc
+        self.tables[key] = table  # the most recent last
+        while len(self.tables) > 1 and sum(t.nbytes for t in self.tables.values()) > self.budget:
+            self.tables.popitem(last=False)
+        return table
+
+
+_RECENT = _RecentTables()
+_token_table = _RECENT.get
+
+
+def forget_read_tables() -> None:
+    """Drop the shards kept by the last reads (a benchmark's cold read; tests that rewrite a file)."""
+    _RECENT.tables.clear()
 
 
 def read_sample_ids(paths: Sequence[str], rows: np.ndarray) -> np.ndarray:
@@ -448,8 +476,14 @@ class TokenStream:
 
     def next_plan(self) -> list[Piece]:
         """The pieces of the next packed row, in row order (`datasets/packing.py`); `gather` builds rows."""
-        sources, pieces, _ = self._plan(1)
-        return [(sources[src], pos, pos + n) for src, pos, n in pieces.tolist()]
+        return self.next_plans(1)[0]
+
+    def next_plans(self, rows: int) -> list[list[Piece]]:
+        """The pieces of the next `rows` packed rows (one planning call: what `next_plan` gives row
+        by row, at a fraction of the cost)."""
+        sources, pieces, row_ptr = self._plan(rows)
+        flat = [(sources[src], pos, pos + n) for src, pos, n in pieces.tolist()]
+        return [flat[a:b] for a, b in zip(row_ptr[:-1].tolist(), row_ptr[1:].tolist(), strict=True)]
 
     def next_row(self) -> dict[str, np.ndarray]:
         """The next packed row (see `datasets/packing.py`)."""
