@@ -22,9 +22,9 @@ from multimodal_data import LAYOUT, MANIFEST, audio_sample, image_sample, text_s
 from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.contract import MODALITY_IDS, PAD_MODALITY
 from tokenloom.datasets import StreamConfig, TokenStream
-from tokenloom.datasets.compiled import CLOSES, CURSOR, PEND_COLUMNS, PPOS, START, STOP, _cut, _take_row
 from tokenloom.datasets.layout import layout_table
 from tokenloom.datasets.packing import gather
+from tokenloom.datasets.planner import CLOSES, CURSOR, PEND_COLUMNS, PPOS, START, STOP, _cut, _take_row
 from tokenloom.datasets.stream import ROW_ID, EpochOrder, pack_row, sample_positions
 from tokenloom.model.unified import mask_indices
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
@@ -219,7 +219,7 @@ def test_long_sample_is_cut_only_in_text_and_oversized_media_is_skipped_and_coun
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), seq_len=st.integers(4, 64), refill=st.integers(1, 40))
 def test_the_window_takes_the_rows_the_plain_scan_chooses(seed, seq_len, refill):
-    """The compiled row rule (a table of pending pieces in stream order, `compiled._take_row`)
+    """The compiled row rule (a table of pending pieces in stream order, `planner._take_row`)
     against the plain scan over the pending pieces, with closing pieces and a window refilled
     between rows as the stream refills it."""
     rng = np.random.default_rng(seed)

@@ -11,7 +11,7 @@ Pieces. A sample that fits a row is one piece. A longer one is cut, greedily as 
 possible, only at positions outside its media segments (an image segment is its start row and
 all of its rows); a cut piece keeps the sample's coordinates and targets, so its last position
 still predicts the next piece's first one, as before. A media segment longer than a row cannot
-be placed at all: `compiled.cut_samples` marks it and the stream skips the sample and counts it
+be placed at all: `planner.cut_samples` marks it and the stream skips the sample and counts it
 (`StreamState.skipped`), with a warning that says which `stream.seq_len` would keep it. Skipping
 rather than raising: one oversized image must not stop a long run; the count makes it visible.
 
@@ -21,7 +21,7 @@ among equals). FlashMask can express only two intervals per column, so a piece w
 audio is followed by more of its sample (`Positions.ends_row`) must be the last document of
 its row: a row takes at most one such piece and places it last. The rest of a row is padding:
 modality `PAD_MODALITY`, no targets, a causal segment of the row's last document. The rule runs
-compiled (`compiled.plan_rows`: the pending pieces are a table in stream order, refilled from the
+compiled (`planner.plan_rows`: the pending pieces are a table in stream order, refilled from the
 stream's samples and scanned for the best fit), many rows per call, so choosing a row costs no
 Python per sample or per row; `tests/layout_reference.py` keeps it as a plain scan.
 

@@ -33,8 +33,8 @@ media segment ever crosses a row; a sample whose media segment alone exceeds a r
 and counted. An audio sample whose windowed frames are followed by its transcript is the last
 document of its row (FlashMask's two intervals per column), as before. `batches` yields each
 row's fill ratio (non-padding positions / `seq_len`) as `fill_ratio` [B] beside the row keys.
-When a window of files is read, its samples are cut into pieces at once (`compiled.cut_samples`);
-rows are then chosen many at a time by `compiled.plan_rows` (the pending pieces a table in stream
+When a window of files is read, its samples are cut into pieces at once (`planner.cut_samples`);
+rows are then chosen many at a time by `planner.plan_rows` (the pending pieces a table in stream
 order) and written straight from the windows' segment tables (`packing.gather_planned`), so the
 Python here runs per batch and per window, not per sample or per row. A window's layout stays in
 memory while pieces of it pend, and the last shards read are kept (up to 256 MB) so that the
@@ -66,14 +66,16 @@ import pyarrow.parquet as pq
 
 from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.catalog.uris import filesystem_and_path
-from tokenloom.datasets.compiled import (
+from tokenloom.datasets.compiled import PAD_ID
+from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
+from tokenloom.datasets.packing import Piece, fill_ratio, gather_planned, pack_row
+from tokenloom.datasets.planner import (
     COUNTERS,
     FIRST_SKIP,
     N_PEND,
     NEXT,
     NOTHING_FITS,
     NOTHING_LEFT,
-    PAD_ID,
     PEND_COLUMNS,
     REMOVED,
     SKIPPED,
@@ -82,8 +84,6 @@ from tokenloom.datasets.compiled import (
     cut_samples,
     plan_rows,
 )
-from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
-from tokenloom.datasets.packing import Piece, fill_ratio, gather_planned, pack_row
 
 __all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "SourceSpec", "StreamConfig",
            "StreamExhausted", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
@@ -261,7 +261,7 @@ class _FileWindow:
     `src` of the stream), and per rank-local cursor in [first, stop), at cursor - first: its index in
     the layout, first position there, whether it closes its row, its status (0: pieces, 1: skipped,
     2: removed) and its pieces piece_ptr[k]..piece_ptr[k + 1] of (piece_start, piece_stop), as
-    `compiled.plan_rows` reads them."""
+    `planner.plan_rows` reads them."""
 
     epoch: int
     first: int
@@ -315,7 +315,7 @@ class TokenStream:
         self._order: EpochOrder | None = None
         # the window of files in memory (one at a time, besides pieces still pending from older ones)
         self._cache: _FileWindow | None = None
-        # the packing window: pending pieces in stream order (`compiled.plan_rows`' table), its counters,
+        # the packing window: pending pieces in stream order (`planner.plan_rows`' table), its counters,
         # and the layouts its pieces come from, by source id
         self._pend = np.zeros((config.pack_window + 16, PEND_COLUMNS), dtype=np.int64)
         self._counters = np.zeros(COUNTERS, dtype=np.int64)
@@ -414,7 +414,7 @@ class TokenStream:
 
     def _plan(self, rows: int) -> tuple[dict[int, Layout], np.ndarray, np.ndarray]:
         """The next `rows` rows as pieces (source id, position, length), row r's at
-        pieces[row_ptr[r]:row_ptr[r + 1]], and the layouts they name (`compiled.plan_rows` chooses
+        pieces[row_ptr[r]:row_ptr[r + 1]], and the layouts they name (`planner.plan_rows` chooses
         them; this feeds it windows of samples, epoch after epoch, and turns its reasons into errors
         and warnings)."""
         cap = rows * min(self.config.seq_len, len(self._pend))

@@ -1,0 +1,190 @@
+"""Choosing rows, compiled (numba): samples cut into pieces, the packing window, the row rule.
+
+Why compiled. The stream used to pull samples into the packing window and take rows one at a
+time in Python (~4 us per sample and ~2 us per row, plus building each row's piece list): at
+`seq_len` 256 that alone cost more than reading the files. Here a window of samples is cut into
+pieces in one call (`cut_samples`), and `plan_rows` refills the window and takes the rows of a
+whole batch in one call, so Python runs per batch and per window of files.
+
+The rules are `datasets/packing.py`'s (pieces cut only outside media, as late as the row allows;
+a row: the oldest pending piece first, then the largest that fits, the oldest among equals, at
+most one closing piece, placed last) and the stream's (`datasets/stream.py`: a whole epoch of
+samples giving no piece packs what pends, or fails when nothing pends). The window is a table of
+pending pieces in stream order, scanned for the best fit (at most `pack_window` plus one sample's
+pieces); tests/layout_reference.py keeps the row rule as a plain scan and tests/test_packing.py
+checks `_take_row` against it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# the columns of the pending-piece table (`plan_rows`'s `pend`, int64 [capacity, PEND_COLUMNS]), in
+# stream order: the piece's name (epoch, rank-local cursor, sample-local [start, stop)), the layout
+# holding it (a source id of the stream), its first position in that layout, whether it closes its row
+EPOCH, CURSOR, START, STOP, SRC, PPOS, CLOSES = range(7)
+PEND_COLUMNS = 7
+# `plan_rows`'s counters (int64 [COUNTERS]) and the reasons it returns
+N_PEND, NEXT, SKIPPED, REMOVED, EMPTY_RUN, FIRST_SKIP = range(6)
+COUNTERS = 6
+DONE, NEED_SAMPLES, NOTHING_LEFT, NOTHING_FITS = range(4)
+
+
+@njit(cache=True, nogil=True)
+def _take_row(pend, n_pend, seq_len, out, n_out):
+    """The next row from the pending pieces (`packing.PackWindow.take_row`'s rule: the oldest first,
+    then the largest that fits, the oldest among equals, at most one closing piece, placed last),
+    written to out[n_out:] as (source, position, length); the taken pieces leave `pend`, which
+    keeps stream order. Returns (pieces written, pieces left)."""
+    taken = np.zeros(n_pend, dtype=np.bool_)
+    order = np.empty(n_pend, dtype=np.int64)
+    n_chosen, last = 1, -1
+    taken[0] = True
+    if pend[0, CLOSES]:
+        n_chosen, last = 0, 0
+    else:
+        order[0] = 0
+    room = seq_len - (pend[0, STOP] - pend[0, START])
+    while room > 0:
+        best_open, best_close, open_len, close_len = -1, -1, 0, 0
+        for i in range(1, n_pend):
+            if taken[i]:
+                continue
+            length = pend[i, STOP] - pend[i, START]
+            if length > room:
+                continue
+            if pend[i, CLOSES]:
+                if last < 0 and length > close_len:
+                    best_close, close_len = i, length
+            elif length > open_len:
+                best_open, open_len = i, length
+        # a closing piece wins when longer, or as long and older (earlier in stream order)
+        pick = best_close if best_close >= 0 and (best_open < 0 or close_len > open_len or (
+            close_len == open_len and best_close < best_open)) else best_open
+        if pick < 0:
+            break
+        taken[pick] = True
+        room -= pend[pick, STOP] - pend[pick, START]
+        if pend[pick, CLOSES]:
+            last = pick
+        else:
+            order[n_chosen] = pick
+            n_chosen += 1
+    if last >= 0:
+        order[n_chosen] = last
+        n_chosen += 1
+    for m in range(n_chosen):
+        i = order[m]
+        out[n_out + m, 0], out[n_out + m, 1] = pend[i, SRC], pend[i, PPOS]
+        out[n_out + m, 2] = pend[i, STOP] - pend[i, START]
+    kept = 0
+    for i in range(n_pend):
+        if not taken[i]:
+            if kept != i:
+                pend[kept, :] = pend[i, :]
+            kept += 1
+    return n_chosen, kept
+
+
+@njit(cache=True, nogil=True)
+def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, src, base, closes, status,
+              piece_ptr, piece_start, piece_stop, samples_per_epoch, out, row_ptr):
+    """Up to `rows` rows: before each, pending pieces are refilled from the window of samples (one
+    sample at a time, in cursor order, while fewer than `pack_window` pend), then a row is taken.
+
+    The window: rank-local cursors [first, first + len(status)) of `epoch`, from layout source `src`;
+    per cursor its first position `base`, whether it closes its row, its status (0: its pieces are
+    piece_ptr[k]..piece_ptr[k + 1] of (piece_start, piece_stop); 1: skipped, a media segment longer
+    than a row; 2: removed, deleted by a later snapshot). counters[NEXT] is the next cursor to pull
+    (it may be past this window: then nothing is pulled). Rows go to `out` as (source, position,
+    length) pieces, row r's being out[row_ptr[r]:row_ptr[r + 1]] for the rows made this call.
+
+    Returns (rows made, reason): DONE; NEED_SAMPLES (the next cursor is past this window: the caller
+    gives the next one and calls again); NOTHING_LEFT (no piece pends and `refill` is off: the
+    passes are read); NOTHING_FITS (a whole epoch of samples gave no piece and none pends)."""
+    n_pend = counters[N_PEND]
+    made = 0
+    while made < rows:
+        while refill and n_pend < pack_window:
+            k = counters[NEXT] - first
+            if k < 0 or k >= len(status):
+                counters[N_PEND] = n_pend
+                return made, NEED_SAMPLES
+            counters[NEXT] += 1
+            if status[k] == 1:
+                counters[SKIPPED] += 1
+                if counters[FIRST_SKIP] < 0:
+                    counters[FIRST_SKIP] = first + k
+            elif status[k] == 2:
+                counters[REMOVED] += 1
+            if status[k] != 0 or piece_ptr[k + 1] == piece_ptr[k]:
+                counters[EMPTY_RUN] += 1
+                if counters[EMPTY_RUN] > samples_per_epoch:
+                    if n_pend:
+                        break  # a whole epoch gave nothing more: pack what is pending
+                    counters[N_PEND] = n_pend
+                    return made, NOTHING_FITS
+                continue
+            counters[EMPTY_RUN] = 0
+            for m in range(piece_ptr[k], piece_ptr[k + 1]):
+                pend[n_pend, EPOCH], pend[n_pend, CURSOR] = epoch, first + k
+                pend[n_pend, START], pend[n_pend, STOP] = piece_start[m], piece_stop[m]
+                pend[n_pend, SRC], pend[n_pend, PPOS], pend[n_pend, CLOSES] = src, base[k] + piece_start[m], closes[k]
+                n_pend += 1
+        counters[EMPTY_RUN] = 0
+        if n_pend == 0:
+            counters[N_PEND] = 0
+            return made, NOTHING_LEFT
+        n, n_pend = _take_row(pend, n_pend, seq_len, out, row_ptr[made])
+        row_ptr[made + 1] = row_ptr[made] + n
+        made += 1
+    counters[N_PEND] = n_pend
+    return made, DONE
+
+
+@njit(cache=True, nogil=True)
+def _cut(length, media, m0, m1, seq_len, piece_start, piece_stop, at, write):
+    """Sample pieces of at most `seq_len` positions, cut only outside its media segments media[m0:m1]
+    (sample-local [start, stop), in order), each cut as late as the row allows; written at `at` when
+    `write`. Returns how many, or -1 when a media segment alone is longer than a row."""
+    p, n = 0, 0
+    while p < length:
+        c = min(p + seq_len, length)
+        if c < length:
+            for m in range(m0, m1):  # a cut inside a media segment moves back to its start
+                if media[m, 0] < c < media[m, 1]:
+                    c = media[m, 0]
+                    break
+        if c <= p:
+            return -1
+        if write:
+            piece_start[at + n], piece_stop[at + n] = p, c
+        p, n = c, n + 1
+    return n
+
+
+@njit(cache=True, nogil=True)
+def cut_samples(lengths, index, media_offsets, media, seq_len, status):
+    """Every sample's pieces (`_cut`) for a window of samples: sample k is the layout's sample
+    index[k]; status 0 samples are cut (status 1 where they cannot be), others give none. Returns
+    (piece_ptr [K + 1], piece_start, piece_stop)."""
+    K = len(lengths)
+    piece_ptr = np.zeros(K + 1, dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    for k in range(K):
+        n = 0
+        if status[k] == 0:
+            i = index[k]
+            n = _cut(lengths[k], media, media_offsets[i], media_offsets[i + 1], seq_len, empty, empty, 0, False)
+            if n < 0:
+                status[k], n = 1, 0
+        piece_ptr[k + 1] = piece_ptr[k] + n
+    piece_start = np.empty(piece_ptr[K], dtype=np.int64)
+    piece_stop = np.empty(piece_ptr[K], dtype=np.int64)
+    for k in range(K):
+        if piece_ptr[k + 1] > piece_ptr[k]:
+            i = index[k]
+            _cut(lengths[k], media, media_offsets[i], media_offsets[i + 1], seq_len, piece_start, piece_stop,
+                 piece_ptr[k], True)
+    return piece_ptr, piece_start, piece_stop
