@@ -47,6 +47,7 @@ from tokenloom.contract import (
     MODALITY_IDS,
     TIME_TICK_MS,
 )
+from tokenloom.datasets import compiled as C
 from tokenloom.datasets.compiled import ROW_ID, empty_positions, expand_pieces
 
 __all__ = ["ROW_ID", "Layout", "Positions", "sample_positions", "layout_table"]
@@ -254,8 +255,11 @@ def _layout(tokens: np.ndarray, token_offsets: np.ndarray, seg: _Segments, n: in
     window = np.where(attention == WINDOW, audio_window, 0)
     seg_pos = np.r_[0, np.cumsum(npos)]
     offsets = np.r_[0, np.cumsum(np.bincount(seg.sample, weights=npos, minlength=n))].astype(np.int64)
-    table = np.stack([mod, seg_pos[:-1], npos, token_offsets[seg.sample] + seg.start, p0, tick, seg0, h, w,
-                      attention, window], axis=1).astype(np.int64)
+    table = np.empty((S, C.SEGMENT_COLUMNS), dtype=np.int64)  # the columns `compiled.expand_pieces` reads
+    table[:, C.MOD], table[:, C.POS], table[:, C.NPOS] = mod, seg_pos[:-1], npos
+    table[:, C.TOK] = token_offsets[seg.sample] + seg.start
+    table[:, C.P0], table[:, C.TICK], table[:, C.SEG0], table[:, C.H], table[:, C.W] = p0, tick, seg0, h, w
+    table[:, C.ATT], table[:, C.WIN] = attention, window
     # per sample: a windowed segment followed by more of the sample; media segments
     closes = (window > 0) & (npos > window) & (np.arange(S) < last_seg[seg.sample])
     ends_row = np.bincount(seg.sample[closes], minlength=n) > 0

@@ -352,8 +352,7 @@ class TokenStream:
             self._drop_cache()  # read the windows again, with their sample ids
 
     def samples_per_epoch(self, epoch: int = 0) -> int:
-        if self._order is None or self._order_epoch != epoch:
-            self._epoch_order(epoch)
+        self._epoch_order(epoch)
         return self._per_epoch
 
     def _raw(self, epoch: int, cursor: int) -> tuple[Layout, int]:
@@ -385,14 +384,12 @@ class TokenStream:
             ids = read_sample_ids(paths, rows)[index]
             status[[k for k, sample_id in enumerate(ids) if sample_id in self._excluded]] = 2
         # pieces: a sample that fits a row is one; a longer one is cut outside its media, or skipped
-        piece_ptr, piece_start, piece_stop = cut_samples(lengths.astype(np.int64), index.astype(np.int64),
-                                                         layout.media_offsets.astype(np.int64),
-                                                         layout.media.astype(np.int64).reshape(-1, 2),
-                                                         self.config.seq_len, status)
+        piece_ptr, piece_start, piece_stop = cut_samples(lengths, index, layout.media_offsets,
+                                                         layout.media.reshape(-1, 2), self.config.seq_len, status)
         src, self._next_src = self._next_src, self._next_src + 1
         self._sources[src] = layout
         self._cache = _FileWindow(epoch, first, first + len(index), src, layout, index,
-                                  layout.offsets[index].astype(np.int64), layout.ends_row[index].astype(np.int64),
+                                  layout.offsets[index], layout.ends_row[index].astype(np.int64),
                                   status, piece_ptr, piece_start, piece_stop,
                                   int(np.diff(piece_ptr).max(initial=1)))
         return self._cache
