@@ -1,5 +1,9 @@
 """Loader: deterministic order, exact resume per rank, exactly-once coverage, packing."""
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -172,3 +176,66 @@ def test_audio_sample_ends_its_row_so_the_mask_fits(tmp_path):
         if pad.any():
             assert (row["attention"][pad] == 0).all() and len(np.unique(row["segment_ids"][pad])) == 1
     assert seen_audio_frames > 0
+
+
+def test_reading_ahead_gives_the_same_rows_and_reads_in_the_background(shard_files, monkeypatch):
+    """`stream.read_ahead` reads the next window of files (and the next epoch's first) in a
+    background thread while this one's rows are packed: over two epochs the rows are those of a
+    stream that reads each window when it needs it, and files were read on that thread."""
+    from tokenloom.datasets import stream as stream_module
+
+    threads = []
+    real = pq.read_table
+    monkeypatch.setattr(pq, "read_table",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+    runs = {}
+    for ahead in (False, True):
+        stream_module.forget_read_tables()
+        threads.clear()
+        cfg = StreamConfig(seq_len=16, seed=2, shuffle_window=2, read_ahead=ahead)  # 3 windows per epoch
+        stream = TokenStream(shard_files, cfg)
+        runs[ahead] = (_batches(stream, 30), list(threads), stream.state.epoch)
+    (plain, plain_threads, plain_epoch), (ahead, ahead_threads, _) = runs[False], runs[True]
+    assert plain_epoch >= 1  # two epochs at least
+    for want, got in zip(plain, ahead, strict=True):
+        for key in want:
+            np.testing.assert_array_equal(want[key], got[key], err_msg=key)
+    assert not any(name.startswith("tokenloom-read-ahead") for name in plain_threads)
+    assert any(name.startswith("tokenloom-read-ahead") for name in ahead_threads)
+
+
+def test_threads_reading_one_shard_decode_it_once(tmp_path, monkeypatch):
+    """The shard cache is shared by the read-ahead threads of every reader: threads asking for a
+    shard being decoded wait for it instead of decoding it again, and a shard that cannot be read
+    gives each of them the same one-line error."""
+    from tokenloom.datasets.stream import _RecentTables
+
+    path = tmp_path / "s.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3]] * 5, pa.list_(pa.int32()))}), path)
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet at all")
+    decodes = []
+    real = pq.read_table
+
+    def slow_read(*a, **k):
+        decodes.append(str(a[0]))
+        time.sleep(0.2)  # long enough that every thread asks while the first decodes
+        return real(*a, **k)
+
+    monkeypatch.setattr(pq, "read_table", slow_read)
+    cache = _RecentTables()
+    with ThreadPoolExecutor(4) as pool:
+        tables = list(pool.map(cache.get, [str(path)] * 4))
+        errors = list(pool.map(lambda p: _error_of(cache.get, p), [str(broken)] * 4))
+    assert decodes == [str(path)] and all(t is tables[0] for t in tables)
+    assert tables[0].column("tokens").to_pylist() == [[1, 2, 3]] * 5
+    assert all(isinstance(e, OSError) and "cannot read token shard" in str(e) for e in errors)
+    assert cache.reading == {}  # nothing left waiting
+
+
+def _error_of(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None

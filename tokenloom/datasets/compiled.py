@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba import uint64 as _U
 
 from tokenloom.contract import ATTENTION_IDS, IGNORE_INDEX, MODALITY_IDS, PAD_MODALITY, SPECIAL_TOKENS
 
@@ -69,18 +70,42 @@ def _label_across(tokens, seg, k, g, sample_last, labels, target, q):
 
 
 @njit(cache=True, nogil=True)
-def expand_pieces(tokens, seg, sample_segments, offsets, start, n, dest, doc, ids, labels, modality, target, coords,
-                  segment, attention, window, docs):
-    """Pieces of a layout, written as positions: piece p is the layout's positions [start[p],
-    start[p] + n[p]) (within one sample), written at dest[p] with document doc[p]. The sample's
-    segments are `seg` rows [sample_segments[i], sample_segments[i + 1]), its positions
-    [offsets[i], offsets[i + 1]); every field and the target of each position is computed here
-    from them (one visit per position, no per-position layout kept). One loop per modality: a
-    position's target is the next position's group of its own segment, except for image rows and
-    a segment's last position (`_label_across`)."""
-    G = ids.shape[1]
-    for p in range(len(start)):
-        a, b = start[p], start[p] + n[p]
+def _fields(q0, q1, mod, att, win, d, ids, labels, modality, attention, window, docs):
+    """What a segment and its piece fix for positions [q0, q1), field by field (unsigned indices:
+    no wraparound test per access, so each loop is a plain fill), and -1 / IGNORE_INDEX in the id
+    and label slots past the first (an audio frame writes its levels over them)."""
+    a, b = _U(q0), _U(q1)
+    for q in range(a, b):
+        modality[q] = mod
+    for q in range(a, b):
+        attention[q] = att
+    for q in range(a, b):
+        window[q] = win
+    for q in range(a, b):
+        docs[q] = d
+    for slot in range(1, ids.shape[1]):
+        for q in range(a, b):
+            ids[q, slot] = -1
+        for q in range(a, b):
+            labels[q, slot] = IGNORE_INDEX
+
+
+@njit(cache=True, nogil=True)
+def expand_pieces(tokens, seg, sample_segments, offsets, pieces, key, dest, doc, ids, labels, modality, target,
+                  coords, segment, attention, window, docs):
+    """Pieces of a layout, written as positions: piece p (a row of `pieces`: source, start, length;
+    only those whose source is `key`, all when `key` < 0) is the layout's positions [start, start +
+    length) (within one sample), written at dest[p] with document doc[p]. The sample's segments are
+    `seg` rows [sample_segments[i], sample_segments[i + 1]), its positions [offsets[i], offsets[i +
+    1]); every field and the target of each position is computed here from them (no per-position
+    layout kept): what the segment fixes field by field (`_fields`), the rest position by position,
+    one loop per modality. A position's target is the next position's group of its own segment,
+    except for image rows and a segment's last position (`_label_across`). `segment` gets each
+    position's segment index within its sample."""
+    for p in range(len(pieces)):
+        if key >= 0 and pieces[p, 0] != key:
+            continue
+        a, b = pieces[p, 1], pieces[p, 1] + pieces[p, 2]
         i = np.searchsorted(offsets, a, side="right") - 1
         sample_last = offsets[i + 1] - 1
         shift, d = dest[p] - a, doc[p]
@@ -91,12 +116,8 @@ def expand_pieces(tokens, seg, sample_segments, offsets, start, n, dest, doc, id
             lo, hi = max(a, s0), min(b, s0 + npos)
             mod, base, tick, seg0, h, w = seg[k, MOD], seg[k, P0], seg[k, TICK], seg[k, SEG0], seg[k, H], seg[k, W]
             att, win, tok = seg[k, ATT], seg[k, WIN], seg[k, TOK]
-            for g in range(lo, hi):
-                q = g + shift
-                modality[q], attention[q], window[q], docs[q] = mod, att, win, d
-                for slot in range(1, G):
-                    ids[q, slot] = -1
-                    labels[q, slot] = IGNORE_INDEX
+            if hi > lo:
+                _fields(lo + shift, hi + shift, mod, att, win, d, ids, labels, modality, attention, window, docs)
             if mod == _IMAGE:
                 pw = max(w, 1)
                 j0 = lo - s0
@@ -131,27 +152,34 @@ def expand_pieces(tokens, seg, sample_segments, offsets, start, n, dest, doc, id
                     else:
                         _label_across(tokens, seg, k, g, sample_last, labels, target, q)
             else:
-                for g in range(lo, hi):
+                last = min(hi, s0 + npos - 1)  # positions before the segment's last predict within it
+                for g in range(lo, last):
                     j, q = g - s0, g + shift
                     ids[q, 0] = tokens[tok + j]
                     t = base + tick + j
                     coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
                     segment[q] = seg0
-                    if j < npos - 1:
-                        labels[q, 0], target[q] = tokens[tok + j + 1], mod
-                    else:
-                        _label_across(tokens, seg, k, g, sample_last, labels, target, q)
+                    labels[q, 0], target[q] = tokens[tok + j + 1], mod
+                for g in range(max(lo, last), hi):
+                    j, q = g - s0, g + shift
+                    ids[q, 0] = tokens[tok + j]
+                    t = base + tick + j
+                    coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
+                    segment[q] = seg0
+                    _label_across(tokens, seg, k, g, sample_last, labels, target, q)
 
 
 @njit(cache=True, nogil=True)
-def copy_pieces(dest, src, n, doc, ids, labels, modality, target, coords, segment, attention, window,
+def copy_pieces(pieces, key, dest, doc, ids, labels, modality, target, coords, segment, attention, window,
                 o_ids, o_labels, o_modality, o_target, o_coords, o_segment, o_attention, o_window, o_docs):
-    """Pieces of one source into a flat batch: piece k's n[k] positions from src[k] to dest[k],
-    each marked with its document doc[k]."""
+    """Pieces of one source (`expand_pieces`' `pieces` and `key`), positions already written out,
+    into a flat batch: piece p's positions from its start to dest[p], each marked with doc[p]."""
     G = o_ids.shape[1]
-    for k in range(len(dest)):
-        for i in range(n[k]):
-            a, b = src[k] + i, dest[k] + i
+    for k in range(len(pieces)):
+        if key >= 0 and pieces[k, 0] != key:
+            continue
+        for i in range(pieces[k, 2]):
+            a, b = pieces[k, 1] + i, dest[k] + i
             for slot in range(G):
                 o_ids[b, slot] = ids[a, slot]
                 o_labels[b, slot] = labels[a, slot]
@@ -161,11 +189,13 @@ def copy_pieces(dest, src, n, doc, ids, labels, modality, target, coords, segmen
 
 
 @njit(cache=True, nogil=True)
-def finish_rows(used, last_doc, seq_len, ids, labels, modality, target, coords, segment, attention, window, docs,
+def finish_rows(used, last_doc, seq_len, ids, labels, modality, target, coords, attention, window, docs,
                 segment_ids):
     """Pad each row after its `used` positions (no targets, coordinates going on from the last
-    one, the row's last document `last_doc`) and number its segments: a new id at each change of
-    (document, segment), padding a segment of its own, counting from 0 per row."""
+    one, the row's last document `last_doc`) and number its segments: `segment_ids` holds each
+    position's segment index within its sample (as `expand_pieces` wrote it) and gets, in place, a
+    new id at each change of (document, segment), padding a segment of its own, counting from 0
+    per row."""
     G = ids.shape[1]
     for r in range(len(used)):
         row0, u = r * seq_len, used[r]
@@ -180,23 +210,26 @@ def finish_rows(used, last_doc, seq_len, ids, labels, modality, target, coords, 
             t = last_t + 1 + col - u
             coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
             modality[q], target[q], attention[q], window[q] = PAD_MODALITY, -1, _CAUSAL, 0
-            docs[q], segment[q] = last_doc[r], -1
-        sid = 0
+            docs[q], segment_ids[q] = last_doc[r], -1  # a sample's segments count from 0: -1 is padding's own
+        sid, prev_doc, prev_seg = 0, docs[row0], segment_ids[row0]
         segment_ids[row0] = 0
         for col in range(1, seq_len):
             q = row0 + col
-            pad, was_pad = col >= u, col - 1 >= u
-            if pad != was_pad or (not pad and (docs[q] != docs[q - 1] or segment[q] != segment[q - 1])):
-                sid += 1
+            d, s = docs[q], segment_ids[q]
+            sid += (d != prev_doc) | (s != prev_seg)
+            prev_doc, prev_seg = d, s
             segment_ids[q] = sid
 
 
 def empty_positions(P: int, G: int) -> tuple[np.ndarray, ...]:
     """Uninitialized int64 arrays for P positions of G slots: ids, labels, modality, target, coords,
-    segment, attention, window (every entry is written by `expand_pieces` or `copy_pieces`, and
-    `finish_rows`)."""
+    segment, attention, window, docs (every entry is written by `expand_pieces` or `copy_pieces`,
+    and `finish_rows`). One allocation per key, not one block: a block of a whole batch is past
+    malloc's mmap threshold, so a consumer that keeps its batches would fault in fresh pages for
+    each (bench/bench_packing.py measured 1.7x the epoch's time)."""
     return (np.empty((P, G), np.int64), np.empty((P, G), np.int64), np.empty(P, np.int64), np.empty(P, np.int64),
-            np.empty((P, 3), np.int64), np.empty(P, np.int64), np.empty(P, np.int64), np.empty(P, np.int64))
+            np.empty((P, 3), np.int64), np.empty(P, np.int64), np.empty(P, np.int64), np.empty(P, np.int64),
+            np.empty(P, np.int64))
 
 
 @njit(cache=True, nogil=True)

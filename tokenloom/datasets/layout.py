@@ -111,18 +111,18 @@ class Layout:
     def sample(self, i: int) -> Positions:
         """Sample i's positions, written out (int64)."""
         P, G = self.length(i), self.group_size
-        ids, labels, modality, target, coords, segment, attention, window = empty_positions(P, G)
-        one = np.array([self.offsets[i]], dtype=np.int64)
-        self.expand(one, np.array([P], dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
-                    (ids, labels, modality, target, coords, segment, attention, window), np.empty(P, np.int64))
+        out = empty_positions(P, G)
+        ids, labels, modality, target, coords, segment, attention, window, _ = out
+        self.expand(np.array([[0, self.offsets[i], P]], dtype=np.int64), -1, np.zeros(1, dtype=np.int64),
+                    np.zeros(1, dtype=np.int64), out)
         return Positions(ids, modality, coords, segment, attention, window, bool(self.ends_row[i]), labels, target,
                          self.media_of(i))
 
-    def expand(self, start: np.ndarray, n: np.ndarray, dest: np.ndarray, doc: np.ndarray, out: tuple,
-               docs: np.ndarray) -> None:
-        """Write pieces [start, start + n) of this layout's positions at `dest` of the position arrays
-        `out` (ids, labels, modality, target, coords, segment, attention, window), `doc` into `docs`."""
-        expand_pieces(self.tokens, self.segments, self.sample_segments, self.offsets, start, n, dest, doc, *out, docs)
+    def expand(self, pieces: np.ndarray, key: int, dest: np.ndarray, doc: np.ndarray, out: tuple) -> None:
+        """Write pieces of this layout's positions (rows of `pieces`: source, start, length; those of
+        source `key`, all when `key` < 0) at `dest` of the position arrays `out` (ids, labels,
+        modality, target, coords, segment, attention, window, docs), `doc` into docs."""
+        expand_pieces(self.tokens, self.segments, self.sample_segments, self.offsets, pieces, key, dest, doc, *out)
 
 
 def sample_positions(tokens: np.ndarray, segments: Sequence[dict] | None, group_size: int,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from tokenloom.datasets.packing import Piece, fill_ratio, gather
+from tokenloom.datasets.packing import PlannedRows, gather_planned, join_rows
 from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamExhausted, TokenStream
 
 __all__ = ["Loader", "LoaderState", "Segment", "Source", "draw_sources", "parse_mix"]
@@ -160,26 +160,26 @@ class _Reader:
             stream.load_state_dict(state)
         self.segments.append((segment, stream))
 
-    def next_plan(self) -> tuple[str, int, list[Piece]]:
-        """The reader's next row (its pieces, `datasets/packing.py`), the source it came from and its
-        segment's snapshot (-1: none)."""
+    def next_plan(self) -> tuple[str, int, tuple[PlannedRows, int]]:
+        """The reader's next row (row r of a plan of its streams, `datasets/packing.py`), the source
+        it came from and its segment's snapshot (-1: none)."""
         g = self.index + self.readers * self.rows  # this row's global index
         for i, (segment, stream) in enumerate(self.segments):
             if stream is None or g < segment.from_row:
                 continue
             try:
-                row = stream.next_plan()
+                plan = stream.plan(1)
             except StreamExhausted:
                 self.segments[i] = (segment, None)
                 continue
             self.rows += 1
-            return segment.source, segment.snapshot_id, row
+            return segment.source, segment.snapshot_id, (plan, 0)
         k = 0 if len(self.streams) == 1 else int(draw_sources(self.weights, self.config.seed, self.stage, self.index,
                                                               np.array([self.rows]))[0])
         self.rows += 1
-        return self.names[k], -1, self.streams[k].next_plan()
+        return self.names[k], -1, (self.streams[k].plan(1), 0)
 
-    def next_plans(self, count: int) -> list[tuple[str, int, list[Piece]]]:
+    def next_plans(self, count: int) -> list[tuple[str, int, tuple[PlannedRows, int]]]:
         """`next_plan` for the next `count` rows: each source's stream plans its rows in one call
         (the rows are those of `count` calls of `next_plan`: a row's source is drawn from its place,
         and each stream is asked in the same order). Row by row while a segment is being read."""
@@ -191,8 +191,9 @@ class _Reader:
         out: list = [None] * count
         for k in np.unique(drawn).tolist():
             at = np.flatnonzero(drawn == k).tolist()
-            for i, plan in zip(at, self.streams[k].next_plans(len(at)), strict=True):
-                out[i] = (self.names[k], -1, plan)
+            plan = self.streams[k].plan(len(at))
+            for r, i in enumerate(at):
+                out[i] = (self.names[k], -1, (plan, r))
         self.rows += count
         return out
 
@@ -268,9 +269,9 @@ class Loader:
             for segment, seg_state in zip(self.segments, old.readers[c]["segments"], strict=True):
                 reader.add(segment, seg_state)
 
-    def next_rows(self, count: int) -> list[tuple[int, str, int, list[Piece]]]:
+    def next_rows(self, count: int) -> list[tuple[int, str, int, tuple[PlannedRows, int]]]:
         """This rank's share of the next `count` x world global rows: (global row, source, segment, the
-        row's pieces). Each reader plans its share in one call (readers are independent)."""
+        row: row r of a plan). Each reader plans its share in one call (readers are independent)."""
         places = [self.rows + self.rank + self.world * j for j in range(count)]
         mine: dict[int, list[int]] = {}
         for j, g in enumerate(places):
@@ -289,8 +290,8 @@ class Loader:
     def batches(self, batch_size: int) -> Iterator[dict]:
         while True:
             rows = self.next_rows(batch_size)
-            batch = gather([plan for *_, plan in rows], self.config.seq_len, max(1, self.config.group_size))
-            batch["fill_ratio"] = fill_ratio(batch["modality"])
+            batch = gather_planned(*join_rows([plan for *_, plan in rows]), self.config.seq_len,
+                                   max(1, self.config.group_size))
             batch["source"] = [s for _, s, _, _ in rows]
             batch["row"] = np.array([g for g, *_ in rows])
             batch["segment"] = np.array([seg for _, _, seg, _ in rows])

@@ -26,20 +26,22 @@ stream's samples and scanned for the best fit), many rows per call, so choosing 
 Python per sample or per row; `tests/layout_reference.py` keeps it as a plain scan.
 
 Building rows (`gather`, `gather_planned`). A row is a list of pieces (a source of positions,
-start, stop), or rows are arrays of (source, start, length) as the stream plans them. The
-pieces of a whole batch of rows are written by one compiled loop per source
-(`datasets/compiled.py`): a window's `Layout` writes them from its segment table, positions
-already written out (`Positions`) are copied; one more loop pads the rows and numbers their
-documents' segments. Each position of a batch is visited once, whatever the keys.
+start, stop), or rows are arrays of (source, start, length) as the stream plans them
+(`PlannedRows`; the loader joins its readers' rows with `join_rows`). The pieces of a whole
+batch of rows are written by one compiled loop per source (`datasets/compiled.py`): a window's
+`Layout` writes them from its segment table, positions already written out (`Positions`) are
+copied; one more loop pads the rows and numbers their documents' segments. Each position of a
+batch is visited once, whatever the keys.
 
 Fill ratio: a row's non-padding positions over `seq_len`; a batch's is the mean over its rows
-(rows have equal lengths), which the stream yields as `fill_ratio` [B] beside the row keys.
+(rows have equal lengths). `gather` counts it while placing the pieces and returns it as
+`fill_ratio` [B] beside the row keys, as the stream and the loader yield it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,7 +55,8 @@ Piece = tuple[Any, int, int]
 
 def gather(rows: Sequence[Sequence[Piece]], seq_len: int, group_size: int) -> dict[str, np.ndarray]:
     """Rows of pieces, each piece its own document, as a batch [B, seq_len, ...] under the row keys,
-    padded after each row's last piece (see the module docstring). Raises if a row does not fit."""
+    padded after each row's last piece (see the module docstring), and `fill_ratio` [B]. Raises if a
+    row does not fit."""
     if not rows or any(not row for row in rows):
         raise ValueError("every row needs at least one piece")
     owners: dict[int, int] = {}
@@ -71,38 +74,71 @@ def gather(rows: Sequence[Sequence[Piece]], seq_len: int, group_size: int) -> di
 def gather_planned(sources: dict[int, Any], pieces: np.ndarray, row_ptr: np.ndarray, seq_len: int,
                    group_size: int) -> dict[str, np.ndarray]:
     """`gather` for rows given as arrays: pieces [n, 3] (source key in `sources`, start, length), row
-    r's at pieces[row_ptr[r]:row_ptr[r + 1]]."""
-    B, L, G = len(row_ptr) - 1, seq_len, group_size
+    r's at pieces[row_ptr[r]:row_ptr[r + 1]]. Besides the row keys, `fill_ratio` [B]: each row's
+    non-padding share (`fill_ratio` of its modality, counted while placing the pieces)."""
+    B, L = len(row_ptr) - 1, seq_len
     if B < 1:
         raise ValueError("every row needs at least one piece")
     dest, doc, used = place_pieces(pieces, row_ptr, L)
-    n = pieces[:, 2]
-    ids, labels, modality, target, coords, segment, attention, window = empty_positions(B * L, G)
-    docs, segment_ids = np.empty(B * L, np.int64), np.empty(B * L, np.int64)
+    # every key's positions in one block (see `empty_positions`); `segment_ids` first holds each
+    # position's segment within its sample, which `finish_rows` turns into the row's segment ids
+    ids, labels, modality, target, coords, segment_ids, attention, window, docs = empty_positions(B * L, group_size)
+    outs = (ids, labels, modality, target, coords, segment_ids, attention, window, docs)
     # one compiled pass per source writes its pieces (a `Layout` expands them from its segment table,
     # `Positions` are copied), one more pads the rows and numbers their segments
-    outs = (ids, labels, modality, target, coords, segment, attention, window)
     for k, obj in sources.items():
-        mine = pieces[:, 0] == k if len(sources) > 1 else slice(None)
-        start = np.ascontiguousarray(pieces[mine, 1])
+        key = k if len(sources) > 1 else -1
         if isinstance(obj, Layout):
-            obj.expand(start, np.ascontiguousarray(n[mine]), dest[mine], doc[mine], outs, docs)
+            obj.expand(pieces, key, dest, doc, outs)
         else:
-            copy_pieces(dest[mine], start, np.ascontiguousarray(n[mine]), doc[mine], obj.ids, obj.labels,
-                        obj.modality, obj.target, obj.coords, obj.segment, obj.attention, obj.window, *outs, docs)
-    finish_rows(used, np.diff(row_ptr) - 1, L, ids, labels, modality, target, coords, segment, attention, window, docs,
+            copy_pieces(pieces, key, dest, doc, obj.ids, obj.labels, obj.modality, obj.target, obj.coords, obj.segment,
+                        obj.attention, obj.window, *outs)
+    finish_rows(used, np.diff(row_ptr) - 1, L, ids, labels, modality, target, coords, attention, window, docs,
                 segment_ids)
+    G = ids.shape[1]
     return {"ids": ids.reshape(B, L, G), "labels": labels.reshape(B, L, G), "modality": modality.reshape(B, L),
             "target_modality": target.reshape(B, L), "coords": coords.reshape(B, L, 3),
             "doc_ids": docs.reshape(B, L), "segment_ids": segment_ids.reshape(B, L),
-            "attention": attention.reshape(B, L), "window": window.reshape(B, L)}
+            "attention": attention.reshape(B, L), "window": window.reshape(B, L), "fill_ratio": used / L}
+
+
+class PlannedRows(NamedTuple):
+    """Rows as arrays (what `TokenStream.plan` gives and `gather_planned` builds): pieces [n, 3]
+    (source key in `sources`, start, length), row r's at pieces[row_ptr[r]:row_ptr[r + 1]]."""
+
+    sources: dict[int, Any]
+    pieces: np.ndarray
+    row_ptr: np.ndarray
+
+
+def join_rows(picks: Sequence[tuple[PlannedRows, int]]) -> PlannedRows:
+    """One set of planned rows from rows of several (row r of each pick, in order): the loader's
+    batch from the rows its canonical readers' streams planned. Source keys are made unique (each
+    plan numbers its own sources)."""
+    sources: dict[int, Any] = {}
+    renumbered: dict[int, np.ndarray] = {}
+    parts = []
+    for plan, r in picks:
+        pieces = renumbered.get(id(plan))
+        if pieces is None:  # each plan's keys once: a lookup from its keys to new ones
+            keys = list(plan.sources)
+            lookup = np.zeros(max(keys) + 1, dtype=np.int64)
+            for k in keys:
+                lookup[k] = len(sources)
+                sources[len(sources)] = plan.sources[k]
+            pieces = renumbered[id(plan)] = plan.pieces.copy()
+            pieces[:, 0] = lookup[plan.pieces[:, 0]]
+        parts.append(pieces[plan.row_ptr[r] : plan.row_ptr[r + 1]])
+    row_ptr = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in parts], out=row_ptr[1:])
+    return PlannedRows(sources, np.concatenate(parts), row_ptr)
 
 
 def pack_row(samples: Sequence[Any], seq_len: int) -> dict[str, np.ndarray]:
     """Whole samples (`Positions`), in order, as one row of `seq_len` positions (padded; raises if
     they do not fit)."""
     batch = gather([[(s, 0, len(s)) for s in samples]], seq_len, samples[0].ids.shape[1])
-    return {k: v[0] for k, v in batch.items()}
+    return {k: v[0] for k, v in batch.items() if k != "fill_ratio"}
 
 
 def fill_ratio(modality: np.ndarray) -> np.ndarray:

@@ -33,40 +33,50 @@ DONE, NEED_SAMPLES, NOTHING_LEFT, NOTHING_FITS = range(4)
 
 @njit(cache=True, nogil=True)
 def _take_row(pend, n_pend, seq_len, out, n_out):
-    """The next row from the pending pieces (`packing.PackWindow.take_row`'s rule: the oldest first,
-    then the largest that fits, the oldest among equals, at most one closing piece, placed last),
-    written to out[n_out:] as (source, position, length); the taken pieces leave `pend`, which
-    keeps stream order. Returns (pieces written, pieces left)."""
-    taken = np.zeros(n_pend, dtype=np.bool_)
+    """The next row from the pending pieces (`packing.py`'s rule: the oldest first, then the largest
+    that fits, the oldest among equals, at most one closing piece, placed last), written to
+    out[n_out:] as (source, position, length); the taken pieces leave `pend`, which keeps stream
+    order. Returns (pieces written, pieces left).
+
+    Each pick scans the pending lengths, copied once per row into a contiguous array (a taken
+    piece's length becomes seq_len + 1, so it never fits again); a piece exactly as long as the
+    room left is the pick as soon as the scan (in stream order) meets it: none is longer, none of
+    that length is older."""
+    length = np.empty(n_pend, dtype=np.int64)
+    closes = np.empty(n_pend, dtype=np.bool_)
+    for i in range(n_pend):
+        length[i], closes[i] = pend[i, STOP] - pend[i, START], pend[i, CLOSES] != 0
     order = np.empty(n_pend, dtype=np.int64)
     n_chosen, last = 1, -1
-    taken[0] = True
-    if pend[0, CLOSES]:
+    if closes[0]:
         n_chosen, last = 0, 0
     else:
         order[0] = 0
-    room = seq_len - (pend[0, STOP] - pend[0, START])
+    room = seq_len - length[0]
+    length[0] = seq_len + 1
     while room > 0:
         best_open, best_close, open_len, close_len = -1, -1, 0, 0
         for i in range(1, n_pend):
-            if taken[i]:
+            li = length[i]
+            if li > room:
                 continue
-            length = pend[i, STOP] - pend[i, START]
-            if length > room:
-                continue
-            if pend[i, CLOSES]:
-                if last < 0 and length > close_len:
-                    best_close, close_len = i, length
-            elif length > open_len:
-                best_open, open_len = i, length
+            if closes[i]:
+                if last < 0 and li > close_len:
+                    best_close, close_len = i, li
+                    if li == room:
+                        break
+            elif li > open_len:
+                best_open, open_len = i, li
+                if li == room:
+                    break
         # a closing piece wins when longer, or as long and older (earlier in stream order)
         pick = best_close if best_close >= 0 and (best_open < 0 or close_len > open_len or (
             close_len == open_len and best_close < best_open)) else best_open
         if pick < 0:
             break
-        taken[pick] = True
-        room -= pend[pick, STOP] - pend[pick, START]
-        if pend[pick, CLOSES]:
+        room -= length[pick]
+        length[pick] = seq_len + 1
+        if closes[pick]:
             last = pick
         else:
             order[n_chosen] = pick
@@ -80,7 +90,7 @@ def _take_row(pend, n_pend, seq_len, out, n_out):
         out[n_out + m, 2] = pend[i, STOP] - pend[i, START]
     kept = 0
     for i in range(n_pend):
-        if not taken[i]:
+        if length[i] <= seq_len:
             if kept != i:
                 pend[kept, :] = pend[i, :]
             kept += 1

@@ -38,7 +38,11 @@ rows are then chosen many at a time by `planner.plan_rows` (the pending pieces a
 order) and written straight from the windows' segment tables (`packing.gather_planned`), so the
 Python here runs per batch and per window, not per sample or per row. A window's layout stays in
 memory while pieces of it pend, and the last shards read are kept (up to 256 MB) so that the
-canonical readers of a source, which read the same windows, decode each file once.
+canonical readers of a source, which read the same windows, decode each file once. While a
+window's rows are packed, the next window (the next epoch's first after the last) is read and
+laid out in a background thread (`stream.read_ahead`; pyarrow's decoding and the compiled loops
+release the GIL): a layout is a function of its files and rows alone, so the rows are the same
+with it off, and in a long run reading costs the packer almost nothing (bench/RESULTS.md).
 
 Deletions (follow mode). `exclude(sample_ids)` drops samples a later snapshot deleted: from then
 on, a pulled sample whose `sample_id` is excluded gives no piece and is counted (`removed`);
@@ -53,10 +57,13 @@ rows and resumed yields exactly the rows an uninterrupted stream yields.
 
 from __future__ import annotations
 
+import os
+import threading
 import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -68,7 +75,7 @@ from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.catalog.uris import filesystem_and_path
 from tokenloom.datasets.compiled import PAD_ID
 from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
-from tokenloom.datasets.packing import Piece, fill_ratio, gather_planned, pack_row
+from tokenloom.datasets.packing import Piece, PlannedRows, gather_planned, pack_row
 from tokenloom.datasets.planner import (
     COUNTERS,
     FIRST_SKIP,
@@ -122,6 +129,9 @@ class StreamConfig:
     holdout: float = 0.0  # fraction of samples set aside for validation (a fixed hash of file and row)
     split: str = "train"  # "train" (samples not held out) or "val" (the held-out ones)
     pack_window: int = 128  # pending pieces (in stream order) that best-fit packing chooses from
+    # read the next window of files in a background thread while this one's rows are packed (the
+    # same rows either way; off: one thread, one window in memory at a time)
+    read_ahead: bool = True
     # canonical readers (datasets/loader.py): they fix the row order whatever the number of ranks,
     # which must divide them; a run resumes on any such number of ranks
     readers: int = 4
@@ -182,35 +192,71 @@ def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: 
 class _RecentTables:
     """The token columns of the last shards read, so that the canonical readers of a source (which
     read the same windows of files, each taking its share of the rows) decode each file once, not
-    once per reader. Keyed by path, size and modification time; at most `budget` bytes."""
+    once per reader. Keyed by path, size and modification time; at most `budget` bytes. Safe from
+    several threads (the read-ahead): a shard being decoded is waited for, not decoded again."""
 
     def __init__(self, budget: int = 256 << 20):
         self.budget, self.tables = budget, OrderedDict()
+        self.reading: dict[tuple, Future] = {}
+        self.lock = threading.Lock()
 
     def get(self, path: str) -> pa.Table:
         filesystem, inner = filesystem_and_path(path)
         try:
             info = filesystem.get_file_info(inner)
-            key = (path, info.size, info.mtime_ns)
-            table = self.tables.pop(key, None)
-            if table is None:
-                schema = pq.read_schema(inner, filesystem=filesystem)
-                columns = ["tokens", "segments"] if "segments" in schema.names else ["tokens"]
-                table = pq.read_table(inner, columns=columns, filesystem=filesystem)
         except (OSError, ValueError) as exc:
             raise OSError(f"cannot read token shard {path}: {exc}") from exc
-        self.tables[key] = table  # the most recent last
-        while len(self.tables) > 1 and sum(t.nbytes for t in self.tables.values()) > self.budget:
-            self.tables.popitem(last=False)
+        key = (path, info.size, info.mtime_ns)
+        with self.lock:
+            table = self.tables.pop(key, None)
+            if table is not None:
+                self.tables[key] = table  # the most recent last
+                return table
+            pending, mine = self.reading.get(key), False
+            if pending is None:
+                pending, mine = Future(), True
+                self.reading[key] = pending
+        if not mine:
+            return pending.result()
+        try:
+            schema = pq.read_schema(inner, filesystem=filesystem)
+            columns = ["tokens", "segments"] if "segments" in schema.names else ["tokens"]
+            table = pq.read_table(inner, columns=columns, filesystem=filesystem, use_threads=False)
+        except (OSError, ValueError) as exc:
+            error = OSError(f"cannot read token shard {path}: {exc}")
+            with self.lock:
+                del self.reading[key]
+            pending.set_exception(error)
+            raise error from exc
+        with self.lock:
+            del self.reading[key]
+            self.tables[key] = table
+            while len(self.tables) > 1 and sum(t.nbytes for t in self.tables.values()) > self.budget:
+                self.tables.popitem(last=False)
+        pending.set_result(table)
         return table
 
 
 _RECENT = _RecentTables()
 _token_table = _RECENT.get
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """The threads that read windows ahead (made again in a forked child, which has none)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-read-ahead"))
+    return _POOL[1]
 
 
 def forget_read_tables() -> None:
-    """Drop the shards kept by the last reads (a benchmark's cold read; tests that rewrite a file)."""
+    """Drop the shards kept by the last reads, once the reads under way (read-ahead) are done: a
+    benchmark's cold read; tests that rewrite a file."""
+    global _POOL
+    if _POOL is not None:
+        _POOL[1].shutdown(wait=True)
+        _POOL = None
     _RECENT.tables.clear()
 
 
@@ -312,7 +358,10 @@ class TokenStream:
         self.group_size = max(1, config.group_size)
         if config.pack_window < 1:
             raise ValueError(f"stream.pack_window must be at least 1, got {config.pack_window}")
-        self._order: EpochOrder | None = None
+        self._orders: dict[int, EpochOrder] = {}
+        self._order_epoch = -1
+        # the next window of files, being read in the background: ((epoch, window), Future[Layout])
+        self._ahead: tuple[tuple[int, int], Future] | None = None
         # the window of files in memory (one at a time, besides pieces still pending from older ones)
         self._cache: _FileWindow | None = None
         # the packing window: pending pieces in stream order (`planner.plan_rows`' table), its counters,
@@ -320,6 +369,7 @@ class TokenStream:
         self._pend = np.zeros((config.pack_window + 16, PEND_COLUMNS), dtype=np.int64)
         self._counters = np.zeros(COUNTERS, dtype=np.int64)
         self._sources: dict[int, Layout] = {}
+        self._pieces_out = np.empty((0, 3), dtype=np.int64)  # `plan`'s pieces, reused from call to call
         self._next_src = 0
         self._epoch = self._cursor = 0
         self._excluded: frozenset[str] = frozenset()
@@ -327,17 +377,27 @@ class TokenStream:
         self.state = state or StreamState()
 
     # -- sample access ------------------------------------------------------------------
-    def _epoch_order(self, epoch: int) -> EpochOrder:
-        if self._order is None or self._order_epoch != epoch:
-            self._order = EpochOrder(self.files, self.config.seed, epoch, self.config.shuffle_window,
-                                     self.config.holdout, self.config.split)
-            if self._order.total < self.world and not self.passes:
-                raise ValueError(f"the {self.config.split} split has {self._order.total} samples, too few for "
+    def _order_of(self, epoch: int) -> EpochOrder:
+        """Epoch `epoch`'s order (the last two asked for are kept: the current epoch's and the next
+        one's, which the read-ahead needs first)."""
+        order = self._orders.get(epoch)
+        if order is None:
+            order = EpochOrder(self.files, self.config.seed, epoch, self.config.shuffle_window, self.config.holdout,
+                               self.config.split)
+            if order.total < self.world and not self.passes:
+                raise ValueError(f"the {self.config.split} split has {order.total} samples, too few for "
                                  f"{self.world} ranks")
+            self._orders = {**{e: o for e, o in self._orders.items() if e == epoch - 1 or e == epoch + 1},
+                            epoch: order}
+        return order
+
+    def _epoch_order(self, epoch: int) -> EpochOrder:
+        order = self._order_of(epoch)
+        if self._order_epoch != epoch:
             self._order_epoch = epoch
-            self._per_epoch = (self._order.total - self.rank + self.world - 1) // self.world
+            self._per_epoch = (order.total - self.rank + self.world - 1) // self.world
             self._drop_cache()
-        return self._order
+        return order
 
     def _drop_cache(self) -> None:
         """Forget the window in memory (pieces still pending keep their window's layout: its tokens
@@ -370,13 +430,14 @@ class TokenStream:
         global_index = cursor * self.world + self.rank
         w = int(np.searchsorted(order.window_starts, global_index, side="right") - 1)
         self._drop_cache()
-        members, perm = order.windows[w]
+        paths, rows, taken = self._window_rows(order, w)
+        if self._ahead is not None and self._ahead[0] == (epoch, w):
+            layout, self._ahead = self._ahead[1].result(), None
+        else:
+            layout = read_layout(paths, self.group_size, self.config.audio_window, rows)
+        self._read_ahead(epoch, w)
         g0 = order.window_starts[w]
-        mine = (g0 + np.arange(len(perm))) % self.world == self.rank
-        rows = np.sort(perm[mine])
-        paths = [order.files[i].path for i in members]
-        layout = read_layout(paths, self.group_size, self.config.audio_window, rows)
-        index = np.searchsorted(rows, perm[mine])  # rank-local cursor order -> index in the layout
+        index = np.searchsorted(rows, taken)  # rank-local cursor order -> index in the layout
         first = -(-(g0 - self.rank) // self.world)  # the window's first rank-local cursor
         lengths = np.diff(layout.offsets)[index]
         status = np.zeros(len(index), dtype=np.int64)
@@ -394,6 +455,26 @@ class TokenStream:
                                   int(np.diff(piece_ptr).max(initial=1)))
         return self._cache
 
+    def _window_rows(self, order: EpochOrder, w: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """Window w's files, the rows of them this rank takes (ascending, as `read_layout` reads
+        them) and the same rows in the rank's order."""
+        members, perm = order.windows[w]
+        mine = (order.window_starts[w] + np.arange(len(perm))) % self.world == self.rank
+        taken = perm[mine]
+        return [order.files[i].path for i in members], np.sort(taken), taken
+
+    def _read_ahead(self, epoch: int, w: int) -> None:
+        """Start reading the window after window w of `epoch` (the next epoch's first after the last)
+        in the background, so that the files are decoded and laid out while this one's rows are
+        packed (pyarrow and the compiled loops release the GIL). The layout is the same whenever it
+        is read; only the time it takes moves."""
+        nxt = (epoch, w + 1) if w + 1 < len(self._order_of(epoch).windows) else (epoch + 1, 0)
+        if not self.config.read_ahead or (self.passes and nxt[0] >= self.passes) or (
+                self._ahead is not None and self._ahead[0] == nxt):
+            return
+        paths, rows, _ = self._window_rows(self._order_of(nxt[0]), nxt[1])
+        self._ahead = (nxt, _read_pool().submit(read_layout, paths, self.group_size, self.config.audio_window, rows))
+
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
         """The flat tokens of a rank-local sample."""
         layout, i = self._raw(epoch, cursor)
@@ -409,13 +490,12 @@ class TokenStream:
             self._epoch, self._cursor = self._epoch + 1, 0
         return self._epoch >= self.passes
 
-    def _plan(self, rows: int) -> tuple[dict[int, Layout], np.ndarray, np.ndarray]:
+    def plan(self, rows: int) -> PlannedRows:
         """The next `rows` rows as pieces (source id, position, length), row r's at
         pieces[row_ptr[r]:row_ptr[r + 1]], and the layouts they name (`planner.plan_rows` chooses
         them; this feeds it windows of samples, epoch after epoch, and turns its reasons into errors
         and warnings)."""
-        cap = rows * min(self.config.seq_len, len(self._pend))
-        pieces, row_ptr = np.empty((cap, 3), dtype=np.int64), np.zeros(rows + 1, dtype=np.int64)
+        pieces, row_ptr = self._pieces_out, np.zeros(rows + 1, dtype=np.int64)
         made, counters = 0, self._counters
         while made < rows:
             refill = not (self.passes and self.exhausted)
@@ -426,8 +506,9 @@ class TokenStream:
                 self._reserve(int(counters[N_PEND]) + self.config.pack_window + window.most_pieces)
             else:
                 window = _NO_SAMPLES
-            if len(pieces) < row_ptr[made] + len(self._pend) * (rows - made):
-                pieces = np.concatenate([pieces, np.empty((len(self._pend) * rows, 3), dtype=np.int64)])
+            need = row_ptr[made] + min(self.config.seq_len, len(self._pend)) * (rows - made)  # pieces a row can take
+            if len(pieces) < need:
+                pieces = np.concatenate([pieces[: row_ptr[made]], np.empty((2 * need, 3), dtype=np.int64)])
             counters[NEXT] = self._cursor
             n, reason = plan_rows(self._pend, counters, rows - made, self.config.pack_window, self.config.seq_len,
                                   refill, self._epoch, window.first, window.src, window.base, window.closes,
@@ -444,13 +525,14 @@ class TokenStream:
                                        f"longer than stream.seq_len {self.config.seq_len}: nothing left to stream")
                 raise NoSampleFits(f"no sample of rank {self.rank} fits a row of stream.seq_len "
                                    f"{self.config.seq_len} (each has a media segment longer than that): raise seq_len")
-        pieces = pieces[: row_ptr[rows]]
-        used = {src: self._sources[src] for src in set(pieces[:, 0].tolist())}
-        live = set(self._pend[: counters[N_PEND], SRC].tolist())  # forget layouts no pending piece needs
-        if self._cache is not None:
-            live.add(self._cache.src)
-        self._sources = {k: v for k, v in self._sources.items() if k in live}
-        return used, pieces, row_ptr
+        self._pieces_out = pieces  # the next call writes over it (its rows were copied out below)
+        used = self._sources
+        # forget the layouts no piece pends from: source ids grow with the windows read and the
+        # pending pieces are in stream order, so the first one's is the oldest still needed
+        oldest = int(self._pend[0, SRC]) if counters[N_PEND] else self._next_src - 1
+        if used and next(iter(used)) < oldest:
+            self._sources = {k: v for k, v in used.items() if k >= oldest}
+        return PlannedRows(used, pieces[: row_ptr[rows]].copy(), row_ptr)
 
     def _reserve(self, n: int) -> None:
         if n > len(self._pend):
@@ -478,16 +560,16 @@ class TokenStream:
     def next_plans(self, rows: int) -> list[list[Piece]]:
         """The pieces of the next `rows` packed rows (one planning call: what `next_plan` gives row
         by row, at a fraction of the cost)."""
-        sources, pieces, row_ptr = self._plan(rows)
+        sources, pieces, row_ptr = self.plan(rows)
         flat = [(sources[src], pos, pos + n) for src, pos, n in pieces.tolist()]
         return [flat[a:b] for a, b in zip(row_ptr[:-1].tolist(), row_ptr[1:].tolist(), strict=True)]
 
     def next_row(self) -> dict[str, np.ndarray]:
         """The next packed row (see `datasets/packing.py`)."""
-        return {k: v[0] for k, v in self._gather(1).items()}
+        return {k: v[0] for k, v in self._gather(1).items() if k != "fill_ratio"}
 
     def _gather(self, rows: int) -> dict[str, np.ndarray]:
-        return gather_planned(*self._plan(rows), self.config.seq_len, self.group_size)
+        return gather_planned(*self.plan(rows), self.config.seq_len, self.group_size)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         while True:
@@ -497,9 +579,7 @@ class TokenStream:
         """Batches of rows [B, ...] under the row keys, plus `fill_ratio` [B] float64: each row's
         non-padding share, whose mean is the batch's fill ratio."""
         while True:
-            batch = self._gather(batch_size)
-            batch["fill_ratio"] = fill_ratio(batch["modality"])
-            yield batch
+            yield self._gather(batch_size)
 
     @property
     def state(self) -> StreamState:
