@@ -148,15 +148,18 @@ def stream_rate(files, cfg: StreamConfig, rows: int, keep: bool = False) -> tupl
 
 
 def steady_rate(files, cfg: StreamConfig, epoch_rows: int, epochs: int) -> float:
-    """tokens/s of `epochs` epochs of one stream, with the shard cache cut to one file so that
-    every epoch decodes its files again, as a long run over a large dataset does: the first
+    """tokens/s of `epochs` epochs of one stream, with the shard and layout caches cut to one entry
+    so that every epoch decodes its files again, as a long run over a large dataset does: the first
     window's read (nothing to overlap it with) weighs 1/epochs as much as in one epoch."""
-    budget = stream_module._RECENT.budget
-    stream_module._RECENT.budget = 0  # keeps the last table only
+    caches = (stream_module._RECENT, stream_module._LAYOUTS)  # decoded shards, laid-out windows
+    budgets = [c.budget for c in caches]
+    for c in caches:
+        c.budget = 0  # keeps the last one only
     try:
         return stream_rate(files, cfg, epoch_rows * epochs)[1]
     finally:
-        stream_module._RECENT.budget = budget
+        for c, b in zip(caches, budgets, strict=True):
+            c.budget = b
 
 
 def read_layout_rate(files, cfg: StreamConfig) -> float:

@@ -205,10 +205,10 @@ def test_reading_ahead_gives_the_same_rows_and_reads_in_the_background(shard_fil
 
 
 def test_threads_reading_one_shard_decode_it_once(tmp_path, monkeypatch):
-    """The shard cache is shared by the read-ahead threads of every reader: threads asking for a
-    shard being decoded wait for it instead of decoding it again, and a shard that cannot be read
-    gives each of them the same one-line error."""
-    from tokenloom.datasets.stream import _RecentTables
+    """The shard and layout caches are shared by the read-ahead threads of every reader: threads
+    asking for a shard being decoded wait for it instead of decoding it again, and a shard that
+    cannot be read gives each of them the same one-line error."""
+    from tokenloom.datasets import stream as stream_module
 
     path = tmp_path / "s.parquet"
     pq.write_table(pa.table({"tokens": pa.array([[1, 2, 3]] * 5, pa.list_(pa.int32()))}), path)
@@ -223,14 +223,16 @@ def test_threads_reading_one_shard_decode_it_once(tmp_path, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(pq, "read_table", slow_read)
-    cache = _RecentTables()
+    stream_module.forget_read_tables()
     with ThreadPoolExecutor(4) as pool:
-        tables = list(pool.map(cache.get, [str(path)] * 4))
-        errors = list(pool.map(lambda p: _error_of(cache.get, p), [str(broken)] * 4))
-    assert decodes == [str(path)] and all(t is tables[0] for t in tables)
-    assert tables[0].column("tokens").to_pylist() == [[1, 2, 3]] * 5
+        tables = list(pool.map(stream_module._token_table, [str(path)] * 4))
+        layouts = list(pool.map(lambda p: stream_module.read_layout([p], 1, 4), [str(path)] * 4))
+        errors = list(pool.map(lambda p: _error_of(stream_module._token_table, p), [str(broken)] * 4))
+    assert decodes == [str(path)] and all(t is tables[0] for t in tables) and all(x is layouts[0] for x in layouts)
+    assert tables[0].column("tokens").to_pylist() == [[1, 2, 3]] * 5 and len(layouts[0]) == 5
     assert all(isinstance(e, OSError) and "cannot read token shard" in str(e) for e in errors)
-    assert cache.reading == {}  # nothing left waiting
+    assert stream_module._RECENT.reading == {} and stream_module._LAYOUTS.reading == {}  # none left waiting
+    stream_module.forget_read_tables()
 
 
 def _error_of(fn, *args):

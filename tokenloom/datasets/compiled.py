@@ -213,8 +213,7 @@ def finish_rows(used, last_doc, seq_len, ids, labels, modality, target, coords, 
             docs[q], segment_ids[q] = last_doc[r], -1  # a sample's segments count from 0: -1 is padding's own
         sid, prev_doc, prev_seg = 0, docs[row0], segment_ids[row0]
         segment_ids[row0] = 0
-        for col in range(1, seq_len):
-            q = row0 + col
+        for q in range(_U(row0 + 1), _U(row0 + seq_len)):  # unsigned: no wraparound test per access
             d, s = docs[q], segment_ids[q]
             sid += (d != prev_doc) | (s != prev_seg)
             prev_doc, prev_seg = d, s

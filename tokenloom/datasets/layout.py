@@ -99,6 +99,11 @@ class Layout:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.segments, self.sample_segments, self.offsets, self.ends_row,
+                                      self.media_offsets, self.media, self.tokens, self.token_offsets))
+
     def length(self, i: int) -> int:
         return int(self.offsets[i + 1] - self.offsets[i])
 

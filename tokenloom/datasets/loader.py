@@ -185,9 +185,12 @@ class _Reader:
         and each stream is asked in the same order). Row by row while a segment is being read."""
         if any(stream is not None for _, stream in self.segments):
             return [self.next_plan() for _ in range(count)]
+        if len(self.streams) == 1:  # nothing to draw
+            plan = self.streams[0].plan(count)
+            self.rows += count
+            return [(self.names[0], -1, (plan, r)) for r in range(count)]
         rows = np.arange(self.rows, self.rows + count)
-        drawn = np.zeros(count, dtype=np.int64) if len(self.streams) == 1 else \
-            draw_sources(self.weights, self.config.seed, self.stage, self.index, rows)
+        drawn = draw_sources(self.weights, self.config.seed, self.stage, self.index, rows)
         out: list = [None] * count
         for k in np.unique(drawn).tolist():
             at = np.flatnonzero(drawn == k).tolist()

@@ -129,9 +129,10 @@ def join_rows(picks: Sequence[tuple[PlannedRows, int]]) -> PlannedRows:
             pieces = renumbered[id(plan)] = plan.pieces.copy()
             pieces[:, 0] = lookup[plan.pieces[:, 0]]
         parts.append(pieces[plan.row_ptr[r] : plan.row_ptr[r + 1]])
-    row_ptr = np.zeros(len(parts) + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in parts], out=row_ptr[1:])
-    return PlannedRows(sources, np.concatenate(parts), row_ptr)
+    ptr = [0]
+    for part in parts:
+        ptr.append(ptr[-1] + len(part))
+    return PlannedRows(sources, np.concatenate(parts), np.array(ptr, dtype=np.int64))
 
 
 def pack_row(samples: Sequence[Any], seq_len: int) -> dict[str, np.ndarray]:

@@ -62,10 +62,10 @@ import threading
 import warnings
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -172,8 +172,24 @@ class StreamState:
 
 def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: np.ndarray | None = None) -> Layout:
     """The samples of Parquet token shards, in file and row order, laid out (`datasets/layout.py`);
-    with `rows`, only those (indices into the files' samples taken together, ascending)."""
+    with `rows`, only those (indices into the files' samples taken together). Without `rows` the
+    layout is shared: the last ones made are kept (with the shards they were read from), so the
+    canonical readers of a source, which read the same windows of files, lay each out once and
+    each index the samples it takes (taking its rows out of the Arrow columns instead cost each
+    reader more than laying the whole window out)."""
+    if rows is None:
+        files = tuple(_file_key(path) for path in paths)
+        return _LAYOUTS.get((files, group_size, audio_window),
+                            lambda: _layout_of([_RECENT.get(key, _decoder(key)) for key in files], group_size,
+                                               audio_window))
     tables = [_token_table(path) for path in paths]
+    if not (len(rows) == sum(len(t) for t in tables) and (len(rows) == 0 or rows[-1] == len(rows) - 1)):
+        return _layout_of(tables, group_size, audio_window, rows)
+    return _layout_of(tables, group_size, audio_window)  # (all rows, ascending: the columns as read, no copy)
+
+
+def _layout_of(tables: Sequence[pa.Table], group_size: int, audio_window: int, rows: np.ndarray | None = None
+               ) -> Layout:
     list_type = pa.list_(pa.int32())
     tokens = pa.chunked_array([c for t in tables for c in t.column("tokens").cast(list_type).chunks], list_type)
     segments = None
@@ -183,35 +199,28 @@ def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: 
             t.column("segments").cast(segments_type) if "segments" in t.column_names
             else pa.chunked_array([pa.nulls(len(t), segments_type)])
         ).chunks], segments_type)
-    if rows is not None and not (len(rows) == len(tokens) and (len(rows) == 0 or rows[-1] == len(rows) - 1)):
-        tokens = tokens.take(rows)  # (all rows, ascending, are the columns as read: no copy)
+    if rows is not None:
+        tokens = tokens.take(rows)
         segments = None if segments is None else segments.take(rows)
     return layout_table(tokens, segments, group_size, audio_window)
 
 
-class _RecentTables:
-    """The token columns of the last shards read, so that the canonical readers of a source (which
-    read the same windows of files, each taking its share of the rows) decode each file once, not
-    once per reader. Keyed by path, size and modification time; at most `budget` bytes. Safe from
-    several threads (the read-ahead): a shard being decoded is waited for, not decoded again."""
+class _Recent:
+    """The values last made under their keys, at most `budget` bytes of them (the most recent one
+    always), shared by threads (the read-ahead of every reader): a value being made is waited for,
+    not made again, and an error making it reaches everyone who waited."""
 
-    def __init__(self, budget: int = 256 << 20):
-        self.budget, self.tables = budget, OrderedDict()
-        self.reading: dict[tuple, Future] = {}
+    def __init__(self, size: Callable[[Any], int], budget: int = 256 << 20):
+        self.size, self.budget = size, budget
+        self.values: OrderedDict = OrderedDict()
+        self.reading: dict[Any, Future] = {}
         self.lock = threading.Lock()
 
-    def get(self, path: str) -> pa.Table:
-        filesystem, inner = filesystem_and_path(path)
-        try:
-            info = filesystem.get_file_info(inner)
-        except (OSError, ValueError) as exc:
-            raise OSError(f"cannot read token shard {path}: {exc}") from exc
-        key = (path, info.size, info.mtime_ns)
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
         with self.lock:
-            table = self.tables.pop(key, None)
-            if table is not None:
-                self.tables[key] = table  # the most recent last
-                return table
+            if key in self.values:
+                self.values.move_to_end(key)
+                return self.values[key]
             pending, mine = self.reading.get(key), False
             if pending is None:
                 pending, mine = Future(), True
@@ -219,26 +228,57 @@ class _RecentTables:
         if not mine:
             return pending.result()
         try:
-            schema = pq.read_schema(inner, filesystem=filesystem)
-            columns = ["tokens", "segments"] if "segments" in schema.names else ["tokens"]
-            table = pq.read_table(inner, columns=columns, filesystem=filesystem, use_threads=False)
-        except (OSError, ValueError) as exc:
-            error = OSError(f"cannot read token shard {path}: {exc}")
+            value = make()
+        except BaseException as exc:
             with self.lock:
                 del self.reading[key]
-            pending.set_exception(error)
-            raise error from exc
+            pending.set_exception(exc)
+            raise
         with self.lock:
             del self.reading[key]
-            self.tables[key] = table
-            while len(self.tables) > 1 and sum(t.nbytes for t in self.tables.values()) > self.budget:
-                self.tables.popitem(last=False)
-        pending.set_result(table)
-        return table
+            self.values[key] = value
+            while len(self.values) > 1 and sum(self.size(v) for v in self.values.values()) > self.budget:
+                self.values.popitem(last=False)
+        pending.set_result(value)
+        return value
+
+    def clear(self) -> None:
+        with self.lock:
+            self.values.clear()
 
 
-_RECENT = _RecentTables()
-_token_table = _RECENT.get
+def _file_key(path: str) -> tuple[str, int, int]:
+    """A shard as the caches know it: path, size and modification time (a file rewritten at the same
+    path is another shard)."""
+    filesystem, inner = filesystem_and_path(path)
+    try:
+        info = filesystem.get_file_info(inner)
+    except (OSError, ValueError) as exc:
+        raise OSError(f"cannot read token shard {path}: {exc}") from exc
+    return path, info.size, info.mtime_ns
+
+
+def _decoder(key: tuple[str, int, int]) -> Callable[[], pa.Table]:
+    def decode() -> pa.Table:
+        path = key[0]
+        filesystem, inner = filesystem_and_path(path)
+        try:
+            schema = pq.read_schema(inner, filesystem=filesystem)
+            columns = ["tokens", "segments"] if "segments" in schema.names else ["tokens"]
+            return pq.read_table(inner, columns=columns, filesystem=filesystem, use_threads=False)
+        except (OSError, ValueError) as exc:
+            raise OSError(f"cannot read token shard {path}: {exc}") from exc
+    return decode
+
+
+def _token_table(path: str) -> pa.Table:
+    """A shard's token columns (the last ones decoded are kept, see `_Recent`)."""
+    key = _file_key(path)
+    return _RECENT.get(key, _decoder(key))
+
+
+_RECENT = _Recent(lambda table: table.nbytes)  # decoded shards
+_LAYOUTS = _Recent(lambda layout: layout.nbytes)  # whole windows laid out
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
@@ -251,17 +291,18 @@ def _read_pool() -> ThreadPoolExecutor:
 
 
 def forget_read_tables() -> None:
-    """Drop the shards kept by the last reads, once the reads under way (read-ahead) are done: a
-    benchmark's cold read; tests that rewrite a file."""
+    """Drop the shards and layouts kept by the last reads, once the reads under way (read-ahead) are
+    done: a benchmark's cold read; tests that rewrite a file."""
     global _POOL
     if _POOL is not None:
         _POOL[1].shutdown(wait=True)
         _POOL = None
-    _RECENT.tables.clear()
+    _RECENT.clear()
+    _LAYOUTS.clear()
 
 
 def read_sample_ids(paths: Sequence[str], rows: np.ndarray) -> np.ndarray:
-    """The `sample_id` of `rows` (indices into the files' samples taken together, ascending)."""
+    """The `sample_id` of `rows` (indices into the files' samples taken together, in any order)."""
     columns = []
     for path in paths:
         filesystem, inner = filesystem_and_path(path)
@@ -412,7 +453,8 @@ class TokenStream:
             self._drop_cache()  # read the windows again, with their sample ids
 
     def samples_per_epoch(self, epoch: int = 0) -> int:
-        self._epoch_order(epoch)
+        if epoch != self._order_epoch:
+            self._epoch_order(epoch)
         return self._per_epoch
 
     def _raw(self, epoch: int, cursor: int) -> tuple[Layout, int]:
@@ -430,19 +472,18 @@ class TokenStream:
         global_index = cursor * self.world + self.rank
         w = int(np.searchsorted(order.window_starts, global_index, side="right") - 1)
         self._drop_cache()
-        paths, rows, taken = self._window_rows(order, w)
+        paths, index = self._window_rows(order, w)  # index: rank-local cursor order -> sample of the layout
         if self._ahead is not None and self._ahead[0] == (epoch, w):
             layout, self._ahead = self._ahead[1].result(), None
         else:
-            layout = read_layout(paths, self.group_size, self.config.audio_window, rows)
+            layout = read_layout(paths, self.group_size, self.config.audio_window)  # the whole window's, shared
         self._read_ahead(epoch, w)
         g0 = order.window_starts[w]
-        index = np.searchsorted(rows, taken)  # rank-local cursor order -> index in the layout
         first = -(-(g0 - self.rank) // self.world)  # the window's first rank-local cursor
         lengths = np.diff(layout.offsets)[index]
         status = np.zeros(len(index), dtype=np.int64)
         if self._excluded:
-            ids = read_sample_ids(paths, rows)[index]
+            ids = read_sample_ids(paths, index)
             status[[k for k, sample_id in enumerate(ids) if sample_id in self._excluded]] = 2
         # pieces: a sample that fits a row is one; a longer one is cut outside its media, or skipped
         piece_ptr, piece_start, piece_stop = cut_samples(lengths, index, layout.media_offsets,
@@ -455,13 +496,12 @@ class TokenStream:
                                   int(np.diff(piece_ptr).max(initial=1)))
         return self._cache
 
-    def _window_rows(self, order: EpochOrder, w: int) -> tuple[list[str], np.ndarray, np.ndarray]:
-        """Window w's files, the rows of them this rank takes (ascending, as `read_layout` reads
-        them) and the same rows in the rank's order."""
+    def _window_rows(self, order: EpochOrder, w: int) -> tuple[list[str], np.ndarray]:
+        """Window w's files and the rows of them this rank takes, in the rank's order (indices into
+        the files' samples taken together, as the window's layout holds them)."""
         members, perm = order.windows[w]
         mine = (order.window_starts[w] + np.arange(len(perm))) % self.world == self.rank
-        taken = perm[mine]
-        return [order.files[i].path for i in members], np.sort(taken), taken
+        return [order.files[i].path for i in members], perm[mine]
 
     def _read_ahead(self, epoch: int, w: int) -> None:
         """Start reading the window after window w of `epoch` (the next epoch's first after the last)
@@ -472,8 +512,8 @@ class TokenStream:
         if not self.config.read_ahead or (self.passes and nxt[0] >= self.passes) or (
                 self._ahead is not None and self._ahead[0] == nxt):
             return
-        paths, rows, _ = self._window_rows(self._order_of(nxt[0]), nxt[1])
-        self._ahead = (nxt, _read_pool().submit(read_layout, paths, self.group_size, self.config.audio_window, rows))
+        paths, _ = self._window_rows(self._order_of(nxt[0]), nxt[1])
+        self._ahead = (nxt, _read_pool().submit(read_layout, paths, self.group_size, self.config.audio_window))
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
         """The flat tokens of a rank-local sample."""
@@ -499,11 +539,15 @@ class TokenStream:
         made, counters = 0, self._counters
         while made < rows:
             refill = not (self.passes and self.exhausted)
+            per_epoch = 0
             if refill:
-                while self._cursor >= self.samples_per_epoch(self._epoch):
+                while self._cursor >= (per_epoch := self.samples_per_epoch(self._epoch)):
                     self._epoch, self._cursor = self._epoch + 1, 0
-                window = self._window_of(self._epoch, self._cursor)
-                self._reserve(int(counters[N_PEND]) + self.config.pack_window + window.most_pieces)
+                window = self._cache  # (the window in memory, checked here: this runs per batch)
+                if window is None or window.epoch != self._epoch or not window.first <= self._cursor < window.stop:
+                    window = self._window_of(self._epoch, self._cursor)
+                if int(counters[N_PEND]) + self.config.pack_window + window.most_pieces > len(self._pend):
+                    self._reserve(int(counters[N_PEND]) + self.config.pack_window + window.most_pieces)
             else:
                 window = _NO_SAMPLES
             need = row_ptr[made] + min(self.config.seq_len, len(self._pend)) * (rows - made)  # pieces a row can take
@@ -513,10 +557,11 @@ class TokenStream:
             n, reason = plan_rows(self._pend, counters, rows - made, self.config.pack_window, self.config.seq_len,
                                   refill, self._epoch, window.first, window.src, window.base, window.closes,
                                   window.status, window.piece_ptr, window.piece_start, window.piece_stop,
-                                  self.samples_per_epoch(self._epoch) if refill else 0, pieces, row_ptr[made:])
+                                  per_epoch, pieces, row_ptr[made:])
             self._cursor = int(counters[NEXT])
             made += n
-            self._warn_skipped(window)
+            if counters[FIRST_SKIP] >= 0 and not self._warned:
+                self._warn_skipped(window)
             if reason == NOTHING_LEFT:
                 raise StreamExhausted(f"rank {self.rank} has read its {self.passes} pass(es)")
             if reason == NOTHING_FITS:
