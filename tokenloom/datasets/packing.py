@@ -80,8 +80,8 @@ def gather_planned(sources: dict[int, Any], pieces: np.ndarray, row_ptr: np.ndar
     if B < 1:
         raise ValueError("every row needs at least one piece")
     dest, doc, used = place_pieces(pieces, row_ptr, L)
-    # every key's positions in one block (see `empty_positions`); `segment_ids` first holds each
-    # position's segment within its sample, which `finish_rows` turns into the row's segment ids
+    # `segment_ids` first holds each position's segment within its sample, which `finish_rows`
+    # turns into the row's segment ids
     ids, labels, modality, target, coords, segment_ids, attention, window, docs = empty_positions(B * L, group_size)
     outs = (ids, labels, modality, target, coords, segment_ids, attention, window, docs)
     # one compiled pass per source writes its pieces (a `Layout` expands them from its segment table,

@@ -75,7 +75,7 @@ from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.catalog.uris import filesystem_and_path
 from tokenloom.datasets.compiled import PAD_ID
 from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
-from tokenloom.datasets.packing import Piece, PlannedRows, gather_planned, pack_row
+from tokenloom.datasets.packing import PlannedRows, gather_planned, pack_row
 from tokenloom.datasets.planner import (
     COUNTERS,
     FIRST_SKIP,
@@ -597,17 +597,6 @@ class TokenStream:
                       f"longer than stream.seq_len {self.config.seq_len}: media is never split across rows, so such "
                       f"samples are skipped and counted in the stream state's `skipped`; set stream.seq_len to at "
                       f"least {longest} to keep them", stacklevel=4)
-
-    def next_plan(self) -> list[Piece]:
-        """The pieces of the next packed row, in row order (`datasets/packing.py`); `gather` builds rows."""
-        return self.next_plans(1)[0]
-
-    def next_plans(self, rows: int) -> list[list[Piece]]:
-        """The pieces of the next `rows` packed rows (one planning call: what `next_plan` gives row
-        by row, at a fraction of the cost)."""
-        sources, pieces, row_ptr = self.plan(rows)
-        flat = [(sources[src], pos, pos + n) for src, pos, n in pieces.tolist()]
-        return [flat[a:b] for a, b in zip(row_ptr[:-1].tolist(), row_ptr[1:].tolist(), strict=True)]
 
     def next_row(self) -> dict[str, np.ndarray]:
         """The next packed row (see `datasets/packing.py`)."""
