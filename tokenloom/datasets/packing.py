@@ -114,8 +114,9 @@ class PlannedRows(NamedTuple):
 def join_rows(picks: Sequence[tuple[PlannedRows, int]]) -> PlannedRows:
     """One set of planned rows from rows of several (row r of each pick, in order): the loader's
     batch from the rows its canonical readers' streams planned. Source keys are made unique (each
-    plan numbers its own sources)."""
+    plan numbers its own sources), one per source object."""
     sources: dict[int, Any] = {}
+    key_of: dict[int, int] = {}  # one key per source object: readers share a window's layout
     renumbered: dict[int, np.ndarray] = {}
     parts = []
     for plan, r in picks:
@@ -124,8 +125,11 @@ def join_rows(picks: Sequence[tuple[PlannedRows, int]]) -> PlannedRows:
             keys = list(plan.sources)
             lookup = np.zeros(max(keys) + 1, dtype=np.int64)
             for k in keys:
-                lookup[k] = len(sources)
-                sources[len(sources)] = plan.sources[k]
+                obj = plan.sources[k]
+                if id(obj) not in key_of:
+                    key_of[id(obj)] = len(sources)
+                    sources[len(sources)] = obj
+                lookup[k] = key_of[id(obj)]
             pieces = renumbered[id(plan)] = plan.pieces.copy()
             pieces[:, 0] = lookup[plan.pieces[:, 0]]
         parts.append(pieces[plan.row_ptr[r] : plan.row_ptr[r + 1]])
