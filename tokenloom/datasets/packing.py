@@ -115,6 +115,14 @@ def join_rows(picks: Sequence[tuple[PlannedRows, int]]) -> PlannedRows:
     """One set of planned rows from rows of several (row r of each pick, in order): the loader's
     batch from the rows its canonical readers' streams planned. Source keys are made unique (each
     plan numbers its own sources), one per source object."""
+    first = next(iter(picks[0][0].sources.values()))
+    if all(len(plan.sources) == 1 and next(iter(plan.sources.values())) is first for plan, _ in picks):
+        # the usual batch: every reader's rows come from the one window they share; with one
+        # source `gather_planned` reads no key, so the pieces need no renumbering
+        parts = [plan.pieces[plan.row_ptr[r] : plan.row_ptr[r + 1]] for plan, r in picks]
+        ptr = np.zeros(len(parts) + 1, dtype=np.int64)
+        ptr[1:] = [len(part) for part in parts]
+        return PlannedRows({0: first}, np.concatenate(parts), np.cumsum(ptr))
     sources: dict[int, Any] = {}
     key_of: dict[int, int] = {}  # one key per source object: readers share a window's layout
     renumbered: dict[int, np.ndarray] = {}

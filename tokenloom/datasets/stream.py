@@ -37,8 +37,9 @@ When a window of files is read, its samples are cut into pieces at once (`planne
 rows are then chosen many at a time by `planner.plan_rows` (the pending pieces a table in stream
 order) and written straight from the windows' segment tables (`packing.gather_planned`), so the
 Python here runs per batch and per window, not per sample or per row. A window's layout stays in
-memory while pieces of it pend, and the last shards read are kept (up to 256 MB) so that the
-canonical readers of a source, which read the same windows, decode each file once. While a
+memory while pieces of it pend, and the last shards read and windows laid out are kept (up to
+256 MB of each) so that the canonical readers of a source, which read the same windows, decode
+and lay out each file once. While a
 window's rows are packed, the next window (the next epoch's first after the last) is read and
 laid out in a background thread (`stream.read_ahead`; pyarrow's decoding and the compiled loops
 release the GIL): a layout is a function of its files and rows alone, so the rows are the same
@@ -571,7 +572,7 @@ class TokenStream:
                 raise NoSampleFits(f"no sample of rank {self.rank} fits a row of stream.seq_len "
                                    f"{self.config.seq_len} (each has a media segment longer than that): raise seq_len")
         self._pieces_out = pieces  # the next call writes over it (its rows were copied out below)
-        used = self._sources
+        used = dict(self._sources)  # (a copy: the next window read adds to `_sources`)
         # forget the layouts no piece pends from: source ids grow with the windows read and the
         # pending pieces are in stream order, so the first one's is the oldest still needed
         oldest = int(self._pend[0, SRC]) if counters[N_PEND] else self._next_src - 1
