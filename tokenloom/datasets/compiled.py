@@ -224,8 +224,8 @@ def empty_positions(P: int, G: int) -> tuple[np.ndarray, ...]:
     """Uninitialized int64 arrays for P positions of G slots: ids, labels, modality, target, coords,
     segment, attention, window, docs (every entry is written by `expand_pieces` or `copy_pieces`,
     and `finish_rows`). One allocation per key, not one block: a block of a whole batch is past
-    malloc's mmap threshold, so a consumer that keeps its batches would fault in fresh pages for
-    each (bench/bench_packing.py measured 1.7x the epoch's time)."""
+    malloc's mmap threshold, so a consumer that keeps its batches faulted in fresh pages for each
+    (an epoch of kept batches: 97 ms against 71-82 ms, bench/RESULTS.md)."""
     return (np.empty((P, G), np.int64), np.empty((P, G), np.int64), np.empty(P, np.int64), np.empty(P, np.int64),
             np.empty((P, 3), np.int64), np.empty(P, np.int64), np.empty(P, np.int64), np.empty(P, np.int64),
             np.empty(P, np.int64))

@@ -345,8 +345,9 @@ class EpochOrder:
 
 @dataclass
 class _FileWindow:
-    """A window of files of one epoch, the samples this rank takes laid out (`layout`, source id
-    `src` of the stream), and per rank-local cursor in [first, stop), at cursor - first: its index in
+    """A window of files of one epoch laid out (`layout`, all of its samples, shared by the streams
+    that read it; source id `src` of this stream), and per rank-local cursor in [first, stop), at
+    cursor - first: the sample's index in
     the layout, first position there, whether it closes its row, its status (0: pieces, 1: skipped,
     2: removed) and its pieces piece_ptr[k]..piece_ptr[k + 1] of (piece_start, piece_stop), as
     `planner.plan_rows` reads them."""
