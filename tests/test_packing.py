@@ -25,7 +25,7 @@ from tokenloom.datasets import StreamConfig, TokenStream
 from tokenloom.datasets.layout import layout_table
 from tokenloom.datasets.packing import gather
 from tokenloom.datasets.planner import CLOSES, CURSOR, PEND_COLUMNS, PPOS, START, STOP, _cut, _take_row
-from tokenloom.datasets.stream import ROW_ID, EpochOrder, pack_row, sample_positions
+from tokenloom.datasets.stream import ROW_ID, EpochOrder, sample_positions
 from tokenloom.model.unified import mask_indices
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
 
@@ -181,12 +181,11 @@ def test_fill_ratio_of_hand_built_rows():
     seven, three = sample_positions(*text_sample(rng, 7), 2, 4), sample_positions(*text_sample(rng, 3), 2, 4)
     image = sample_positions(*image_sample(rng, h=2, w=3, caption=2), 2, 4)  # <bos><boi> (1+2)x3 <eoi> 2 <eos>
     assert len(image) == 15
-    rows = [pack_row([seven], 8), pack_row([three, three], 8), pack_row([image, three], 20), pack_row([seven], 7)]
-    from tokenloom.datasets.packing import fill_ratio
-
-    got = [float(fill_ratio(r["modality"][None])[0]) for r in rows]
+    rows = [([seven], 8), ([three, three], 8), ([image, three], 20), ([seven], 7)]
+    batches = [gather([[(s, 0, len(s)) for s in samples]], seq_len, 2) for samples, seq_len in rows]
+    got = [float(b["fill_ratio"][0]) for b in batches]  # counted while placing the pieces
     assert got == [7 / 8, 6 / 8, 18 / 20, 1.0]
-    assert (rows[2]["modality"] == PAD_MODALITY).sum() == 2
+    assert (batches[2]["modality"] == PAD_MODALITY).sum() == 2
 
 
 @pytest.mark.parametrize(("length", "seq_len", "want"), [(7, 8, 7 / 8), (3, 8, 6 / 8), (5, 10, 1.0)])

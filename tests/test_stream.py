@@ -225,9 +225,11 @@ def test_threads_reading_one_shard_decode_it_once(tmp_path, monkeypatch):
     monkeypatch.setattr(pq, "read_table", slow_read)
     stream_module.forget_read_tables()
     with ThreadPoolExecutor(4) as pool:
-        tables = list(pool.map(stream_module._token_table, [str(path)] * 4))
+        shard = stream_module._file_key(str(path))
+        tables = list(pool.map(stream_module._token_table, [shard] * 4))
         layouts = list(pool.map(lambda p: stream_module.read_layout([p], 1, 4), [str(path)] * 4))
-        errors = list(pool.map(lambda p: _error_of(stream_module._token_table, p), [str(broken)] * 4))
+        errors = list(pool.map(lambda k: _error_of(stream_module._token_table, k),
+                               [stream_module._file_key(str(broken))] * 4))
     assert decodes == [str(path)] and all(t is tables[0] for t in tables) and all(x is layouts[0] for x in layouts)
     assert tables[0].column("tokens").to_pylist() == [[1, 2, 3]] * 5 and len(layouts[0]) == 5
     assert all(isinstance(e, OSError) and "cannot read token shard" in str(e) for e in errors)

@@ -45,7 +45,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from tokenloom.contract import PAD_MODALITY
 from tokenloom.datasets.compiled import copy_pieces, empty_positions, finish_rows, place_pieces
 from tokenloom.datasets.layout import Layout
 
@@ -75,7 +74,7 @@ def gather_planned(sources: dict[int, Any], pieces: np.ndarray, row_ptr: np.ndar
                    group_size: int) -> dict[str, np.ndarray]:
     """`gather` for rows given as arrays: pieces [n, 3] (source key in `sources`, start, length), row
     r's at pieces[row_ptr[r]:row_ptr[r + 1]]. Besides the row keys, `fill_ratio` [B]: each row's
-    non-padding share (`fill_ratio` of its modality, counted while placing the pieces)."""
+    non-padding share, counted while placing the pieces."""
     B, L = len(row_ptr) - 1, seq_len
     if B < 1:
         raise ValueError("every row needs at least one piece")
@@ -152,8 +151,3 @@ def pack_row(samples: Sequence[Any], seq_len: int) -> dict[str, np.ndarray]:
     they do not fit)."""
     batch = gather([[(s, 0, len(s)) for s in samples]], seq_len, samples[0].ids.shape[1])
     return {k: v[0] for k, v in batch.items() if k != "fill_ratio"}
-
-
-def fill_ratio(modality: np.ndarray) -> np.ndarray:
-    """Per row, the share of positions that are not padding: `modality` [B, L] -> [B] float64."""
-    return (np.asarray(modality) != PAD_MODALITY).mean(axis=-1)

@@ -171,26 +171,18 @@ class StreamState:
                            int(d.get("removed", 0)))
 
 
-def read_layout(paths: Sequence[str], group_size: int, audio_window: int, rows: np.ndarray | None = None) -> Layout:
-    """The samples of Parquet token shards, in file and row order, laid out (`datasets/layout.py`);
-    with `rows`, only those (indices into the files' samples taken together). Without `rows` the
-    layout is shared: the last ones made are kept (with the shards they were read from), so the
+def read_layout(paths: Sequence[str], group_size: int, audio_window: int) -> Layout:
+    """The samples of Parquet token shards, in file and row order, laid out (`datasets/layout.py`).
+    The layout is shared: the last ones made are kept (with the shards they were read from), so the
     canonical readers of a source, which read the same windows of files, lay each out once and
     each index the samples it takes (taking its rows out of the Arrow columns instead cost each
     reader more than laying the whole window out)."""
-    if rows is None:
-        files = tuple(_file_key(path) for path in paths)
-        return _LAYOUTS.get((files, group_size, audio_window),
-                            lambda: _layout_of([_RECENT.get(key, _decoder(key)) for key in files], group_size,
-                                               audio_window))
-    tables = [_token_table(path) for path in paths]
-    if not (len(rows) == sum(len(t) for t in tables) and (len(rows) == 0 or rows[-1] == len(rows) - 1)):
-        return _layout_of(tables, group_size, audio_window, rows)
-    return _layout_of(tables, group_size, audio_window)  # (all rows, ascending: the columns as read, no copy)
+    files = tuple(_file_key(path) for path in paths)
+    return _LAYOUTS.get((files, group_size, audio_window),
+                        lambda: _layout_of([_token_table(key) for key in files], group_size, audio_window))
 
 
-def _layout_of(tables: Sequence[pa.Table], group_size: int, audio_window: int, rows: np.ndarray | None = None
-               ) -> Layout:
+def _layout_of(tables: Sequence[pa.Table], group_size: int, audio_window: int) -> Layout:
     list_type = pa.list_(pa.int32())
     tokens = pa.chunked_array([c for t in tables for c in t.column("tokens").cast(list_type).chunks], list_type)
     segments = None
@@ -200,9 +192,6 @@ def _layout_of(tables: Sequence[pa.Table], group_size: int, audio_window: int, r
             t.column("segments").cast(segments_type) if "segments" in t.column_names
             else pa.chunked_array([pa.nulls(len(t), segments_type)])
         ).chunks], segments_type)
-    if rows is not None:
-        tokens = tokens.take(rows)
-        segments = None if segments is None else segments.take(rows)
     return layout_table(tokens, segments, group_size, audio_window)
 
 
@@ -272,9 +261,8 @@ def _decoder(key: tuple[str, int, int]) -> Callable[[], pa.Table]:
     return decode
 
 
-def _token_table(path: str) -> pa.Table:
-    """A shard's token columns (the last ones decoded are kept, see `_Recent`)."""
-    key = _file_key(path)
+def _token_table(key: tuple[str, int, int]) -> pa.Table:
+    """A shard's token columns (`_file_key`; the last ones decoded are kept, see `_Recent`)."""
     return _RECENT.get(key, _decoder(key))
 
 
