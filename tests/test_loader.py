@@ -298,3 +298,47 @@ def test_the_canonical_readers_decode_each_file_once(tmp_path, monkeypatch):
     rewritten = _files(tmp_path, n_files=4, per_file=12, seed=6)  # same paths, other samples
     after = [_crc(next(Loader([Source("m", tuple(rewritten))], cfg, readers=4).batches(4)), i) for i in range(4)]
     assert len(reads) > len(files) and after != before
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_batches_planned_ahead_are_those_of_one_batch_at_a_time(tmp_path, monkeypatch, world):
+    """The loader plans and writes several batches at once (each reader's streams in one call that
+    marks them after every batch): every rank's batches, its state, `skipped` and `removed` after
+    each are those of one batch at a time, for a mixture, across a followed snapshot that adds and
+    deletes samples between two batches of a chunk, and resumed from a state read inside one."""
+    from tokenloom.datasets import loader as loader_module
+    from tokenloom.datasets import packing
+
+    a, b = tuple(_files(tmp_path, "a", seed=8)), tuple(_files(tmp_path, "b", seed=9))
+    new, marked = _marked(tmp_path)
+    sources = [Source("a", a, 0.7), Source("b", b, 0.3)]
+    gathers = []
+    real_gather = loader_module.gather_planned
+    monkeypatch.setattr(loader_module, "gather_planned", lambda *a: gathers.append(1) or real_gather(*a))
+
+    def run(ahead_positions):
+        monkeypatch.setattr(packing, "AHEAD_POSITIONS", ahead_positions)
+        gathers.clear()
+        loaders = _rank_loaders(sources, world)
+        its, out = [ld.batches(2) for ld in loaders], []
+        for step in range(40):
+            if step == 6:
+                for ld in loaders:
+                    ld.follow("a", 7, [new], ["a0-1", "a0-2", "a2-5"])
+            if step == 25:  # resumed from the state after step 24's batches
+                state = Loader.merge([ld.state() for ld in loaders])
+                loaders = _rank_loaders(sources, world, LoaderState.from_dict(state.to_dict()))
+                its = [ld.batches(2) for ld in loaders]
+            for ld, it in zip(loaders, its, strict=True):
+                out.append((next(it), ld.state().to_dict(), ld.skipped, ld.removed))
+        return out, len(gathers)
+
+    plain, plain_gathers = run(1)
+    ahead, ahead_gathers = run(48 * 2 * 4)  # 4 batches at a time
+    assert ahead_gathers < plain_gathers * 0.75, "batches were not made ahead"
+    assert sum(_marked_count(batch) for batch, *_ in plain) == marked  # the followed rows, once
+    for (want, *want_state), (got, *got_state) in zip(plain, ahead, strict=True):
+        assert got_state == want_state
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(want[key], got[key], err_msg=key)

@@ -243,3 +243,59 @@ def _error_of(fn, *args):
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return exc
     return None
+
+
+def test_batches_planned_ahead_are_those_of_one_batch_at_a_time(tmp_path, monkeypatch):
+    """`batches` plans and writes several batches at once and marks the planner after each (one
+    compiled call for the rows, one for the positions): every batch and the state after it are
+    those of planning one batch at a time, also when samples are excluded between two batches of a
+    chunk, when the passes end inside one and when a state read inside one is resumed."""
+    from multimodal_data import mixed_samples, write_shard
+
+    from tokenloom.datasets import packing
+    from tokenloom.datasets import stream as stream_module
+    from tokenloom.datasets.stream import StreamExhausted
+
+    files = [write_shard(tmp_path / f"m{f}.parquet", mixed_samples(seed=f, n=8), [f"m{f}-{k}" for k in range(24)])
+             for f in range(3)]
+    cfg = StreamConfig(seq_len=48, group_size=2, audio_window=4, seed=1, shuffle_window=2, pack_window=8)
+    gathers = []
+    real_gather = stream_module.gather_planned
+    monkeypatch.setattr(stream_module, "gather_planned", lambda *a: gathers.append(1) or real_gather(*a))
+
+    def run(ahead_positions):
+        monkeypatch.setattr(packing, "AHEAD_POSITIONS", ahead_positions)
+        gathers.clear()
+        stream = TokenStream(files, cfg, passes=2)
+        it, out, resumed = stream.batches(3), [], None
+        for step in range(200):
+            try:
+                batch = next(it)
+            except StreamExhausted:
+                out.append((f"exhausted at {step}", stream.state))
+                break
+            out.append((batch, stream.state))
+            if step == 5:
+                stream.exclude([f"m1-{k}" for k in range(6)])
+            if step == 10:
+                resumed = TokenStream(files, cfg, passes=2, state=stream.state)
+                resumed.exclude([f"m1-{k}" for k in range(6)])
+                resumed = _batches(resumed, 6)
+        return out, resumed, len(gathers)
+
+    plain, plain_resumed, plain_gathers = run(1)
+    ahead, ahead_resumed, ahead_gathers = run(48 * 3 * 4)  # 4 batches at a time
+    assert plain[-1][0] == f"exhausted at {len(plain) - 1}" and len(plain) > 20, len(plain)
+    assert ahead_gathers < plain_gathers / 2, "batches were not made ahead"
+    assert len(ahead) == len(plain)
+    for (want, want_state), (got, got_state) in zip(plain, ahead, strict=True):
+        assert got_state == want_state
+        if isinstance(want, str):
+            assert got == want
+            continue
+        for key in want:
+            np.testing.assert_array_equal(want[key], got[key], err_msg=key)
+    for want, got, follows in zip(plain_resumed, ahead_resumed, plain[11:17], strict=True):
+        for key in want:  # resumed from inside a chunk: the rows the uninterrupted stream gave
+            np.testing.assert_array_equal(want[key], got[key], err_msg=key)
+            np.testing.assert_array_equal(want[key], follows[0][key], err_msg=key)

@@ -34,13 +34,16 @@ stage's `seq_len` and weights and the stage index, which seeds it.
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
-from tokenloom.datasets.packing import PlannedRows, gather_planned, join_rows
-from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamExhausted, TokenStream
+from tokenloom.datasets.packing import PlannedRows, ahead_batches, gather_planned, interleave_rows
+from tokenloom.datasets.planner import REMOVED, SKIPPED
+from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamExhausted, StreamMark, TokenStream
 
 __all__ = ["Loader", "LoaderState", "Segment", "Source", "draw_sources", "parse_mix"]
 
@@ -124,6 +127,22 @@ def _seed(seed: int, *parts: object) -> int:
     return zlib.crc32("/".join(str(p) for p in (seed, *parts)).encode())
 
 
+class _ReaderMark(NamedTuple):
+    """A reader between two rows: its rows so far, its segments, each stream's planner mark."""
+
+    rows: int
+    segments: list  # (Segment, TokenStream | None)
+    streams: list[StreamMark]  # one per source
+    segment_marks: list[StreamMark | None]  # one per segment, None once read to its end
+
+
+class _LoaderMark(NamedTuple):
+    """A loader between two batches: global rows consumed, each of its readers' marks."""
+
+    rows: int
+    readers: dict[int, _ReaderMark]
+
+
 class _Reader:
     """Canonical reader `index` of `readers`: one stream per source and per pending segment."""
 
@@ -200,7 +219,51 @@ class _Reader:
         self.rows += count
         return out
 
-    def state_dict(self) -> dict:
+    def plan_ahead(self, count: int, ends: np.ndarray) -> tuple[list[tuple[PlannedRows, np.ndarray]], list[str],
+                                                              list[_ReaderMark]]:
+        """The reader's next `count` rows at once, no segment being read: each source's stream plans
+        its rows in one call (the rows of `count` calls of `next_plan`). Returns the plans with the
+        rows (0..count-1) each gives, the source of every row, and the reader's mark after ends[j]
+        rows for each j (ascending)."""
+        drawn = (np.zeros(count, dtype=np.int64) if len(self.streams) == 1 else
+                 draw_sources(self.weights, self.config.seed, self.stage, self.index, self.rows + np.arange(count)))
+        parts, per_stream = [], []
+        for k, stream in enumerate(self.streams):
+            mine = np.flatnonzero(drawn == k)
+            by_count = {0: stream.mark()}  # its mark after so many of its rows
+            done = np.searchsorted(mine, ends)  # its rows among the reader's first ends[j]
+            if len(mine):
+                at, marks = np.unique(done[done > 0]), []
+                parts.append((stream.plan(len(mine), at, marks), mine))
+                by_count.update(zip(at.tolist(), marks, strict=True))
+            per_stream.append([by_count[int(d)] for d in done])
+        names = [self.names[k] for k in drawn.tolist()]
+        no_segment = [None] * len(self.segments)
+        marks = [_ReaderMark(self.rows + int(e), list(self.segments), [m[j] for m in per_stream], no_segment)
+                 for j, e in enumerate(ends.tolist())]
+        self.rows += count
+        return parts, names, marks
+
+    def mark(self) -> _ReaderMark:
+        return _ReaderMark(self.rows, list(self.segments), [s.mark() for s in self.streams],
+                           [None if s is None else s.mark() for _, s in self.segments])
+
+    def rewind(self, mark: _ReaderMark) -> None:
+        self.rows, self.segments = mark.rows, list(mark.segments)
+        for stream, m in zip(self.streams, mark.streams, strict=True):
+            stream.rewind(m)
+        for (_, stream), m in zip(self.segments, mark.segment_marks, strict=True):
+            if stream is not None:
+                stream.rewind(m)
+
+    def state_dict(self, mark: _ReaderMark | None = None) -> dict:
+        """The reader's state, or the one it had at `mark`."""
+        if mark is not None:
+            return {"rows": mark.rows,
+                    "sources": {n: s.state_at(m).to_dict() for n, s, m in zip(self.names, self.streams, mark.streams,
+                                                                                strict=True)},
+                    "segments": [("done" if m is None else s.state_at(m).to_dict())
+                                 for (_, s), m in zip(mark.segments, mark.segment_marks, strict=True)]}
         return {"rows": self.rows, "sources": {n: s.state_dict() for n, s in zip(self.names, self.streams,
                                                                                    strict=True)},
                 "segments": [("done" if s is None else s.state_dict()) for _, s in self.segments]}
@@ -221,7 +284,12 @@ class Loader:
     """Batches of rows for one data-parallel rank, from `readers` canonical readers (see the module
     docstring). Each batch holds the row keys, `fill_ratio` [B], `source` [B] (each row's source
     name), `row` [B] (each row's global index) and `segment` [B] (the followed snapshot a row comes
-    from, -1 for the sources' own rows)."""
+    from, -1 for the sources' own rows).
+
+    Batches are planned and written ahead as the stream's are (`TokenStream.batches`): while no
+    followed segment is being read, `ahead_batches` of them at a time, each reader's streams planning
+    their rows in one call that marks their state after every batch. `state`, `skipped` and `removed`
+    are those after the last batch handed out; `follow`, `load` and `next_rows` first rewind to it."""
 
     def __init__(self, sources: Sequence[Source], config: StreamConfig, readers: int, rank: int = 0,
                  world_size: int = 1, stage: int = 0, state: LoaderState | None = None):
@@ -239,6 +307,8 @@ class Loader:
         self.own = {c: _Reader(c, readers, sources, config, stage) for c in range(rank, readers, world_size)}
         self.rows = 0
         self.segments: list[Segment] = []
+        self._queued: deque[tuple[dict, _LoaderMark | None]] = deque()
+        self._consumed: _LoaderMark | None = None
         if state is not None:
             self.load(state)
 
@@ -249,6 +319,7 @@ class Loader:
         added no sample and deleted none."""
         if source not in {s.name for s in self.sources}:
             raise ValueError(f"follow: {source!r} is not a source of this run")
+        self._unqueue()
         files = tuple(f for f in files if f.num_rows > 0)
         if not files and not deleted:
             return None
@@ -266,6 +337,7 @@ class Loader:
             raise ValueError(f"a stage shortens rows from {other.config.seq_len} to {self.config.seq_len} while "
                              "follow-mode segments are still being read; such a stage cannot take them over")
         old = other.state()
+        self._unqueue()
         self.segments = [replace(s, from_row=self.rows) for s in other.segments]
         for c, reader in self.own.items():
             reader.segments = []
@@ -275,6 +347,10 @@ class Loader:
     def next_rows(self, count: int) -> list[tuple[int, str, int, tuple[PlannedRows, int]]]:
         """This rank's share of the next `count` x world global rows: (global row, source, segment, the
         row: row r of a plan). Each reader plans its share in one call (readers are independent)."""
+        self._unqueue()
+        return self._next_rows(count)
+
+    def _next_rows(self, count: int) -> list[tuple[int, str, int, tuple[PlannedRows, int]]]:
         places = [self.rows + self.rank + self.world * j for j in range(count)]
         mine: dict[int, list[int]] = {}
         for j, g in enumerate(places):
@@ -292,30 +368,96 @@ class Loader:
 
     def batches(self, batch_size: int) -> Iterator[dict]:
         while True:
-            rows = self.next_rows(batch_size)
-            batch = gather_planned(*join_rows([plan for *_, plan in rows]), self.config.seq_len,
-                                   max(1, self.config.group_size))
-            batch["source"] = [s for _, s, _, _ in rows]
-            batch["row"] = np.array([g for g, *_ in rows])
-            batch["segment"] = np.array([seg for _, _, seg, _ in rows])
+            if not self._queued or len(self._queued[0][0]["row"]) != batch_size:
+                self._unqueue()
+                self._queue(batch_size)
+            batch, self._consumed = self._queued.popleft()
             yield batch
+
+    def _queue(self, batch_size: int) -> None:
+        """Plan and write the next batch, or the next `ahead_batches` while no segment is being read
+        (see the class docstring). An error planning ahead rewinds and makes one batch the plain way,
+        which raises it when it belongs to that batch."""
+        k = ahead_batches(batch_size, self.config.seq_len)
+        if k > 1 and not any(t is not None for r in self.own.values() for _, t in r.segments):
+            start = {c: r.mark() for c, r in self.own.items()}
+            try:
+                return self._queue_ahead(batch_size, k)
+            except Exception:
+                for c, reader in self.own.items():
+                    reader.rewind(start[c])
+        rows = self._next_rows(batch_size)
+        parts: dict[int, tuple[PlannedRows, list[int]]] = {}
+        for j, (*_, (plan, r)) in enumerate(rows):
+            parts.setdefault(id(plan), (plan, [0] * len(plan.row_ptr[1:])))[1][r] = j
+        batch = gather_planned(*interleave_rows([(plan, np.array(at)) for plan, at in parts.values()], len(rows)),
+                               self.config.seq_len, max(1, self.config.group_size))
+        batch["source"] = [s for _, s, _, _ in rows]
+        batch["row"] = np.array([g for g, *_ in rows], dtype=np.int64)
+        batch["segment"] = np.array([seg for _, _, seg, _ in rows], dtype=np.int64)
+        self._queued.append((batch, None))  # handed out at once: no mark needed
+
+    def _queue_ahead(self, batch_size: int, k: int) -> None:
+        n, rows0 = k * batch_size, self.rows
+        places = rows0 + self.rank + self.world * np.arange(n, dtype=np.int64)  # each row's global index
+        owner = places % self.readers
+        parts, names, marks = [], [""] * n, [{} for _ in range(k)]
+        batch_ends = np.arange(1, k + 1) * batch_size
+        for c, reader in self.own.items():
+            rows = np.flatnonzero(owner == c)
+            if len(rows) and reader.index + self.readers * reader.rows != places[rows[0]]:
+                raise RuntimeError(f"reader {reader.index} is at row {reader.rows}, global row {places[rows[0]]} "
+                                   "expected")
+            reader_parts, reader_names, reader_marks = reader.plan_ahead(len(rows), np.searchsorted(rows, batch_ends))
+            parts += [(plan, rows[mine]) for plan, mine in reader_parts]
+            for j, name in zip(rows.tolist(), reader_names, strict=True):
+                names[j] = name
+            for j, mark in enumerate(reader_marks):
+                marks[j][c] = mark
+        self.rows = rows0 + n * self.world
+        batch = gather_planned(*interleave_rows(parts, n), self.config.seq_len, max(1, self.config.group_size))
+        no_segment = np.full(batch_size, -1, dtype=np.int64)
+        for j in range(k):
+            part = slice(j * batch_size, (j + 1) * batch_size)
+            view = {key: v[part] for key, v in batch.items()}
+            view["source"], view["row"], view["segment"] = names[part], places[part], no_segment.copy()
+            self._queued.append((view, _LoaderMark(rows0 + (j + 1) * batch_size * self.world, marks[j])))
+
+    def _unqueue(self) -> None:
+        """Drop the batches planned ahead and rewind every reader to the last one handed out."""
+        if self._queued:
+            self._queued.clear()
+            self.rows = self._consumed.rows
+            for c, reader in self.own.items():
+                reader.rewind(self._consumed.readers[c])
 
     @property
     def skipped(self) -> int:
         """Samples this rank's readers skipped because a media segment is longer than a row."""
+        if self._queued:
+            return sum(int(m.counters[SKIPPED]) for r in self._consumed.readers.values() for m in r.streams)
         return sum(s.state.skipped for r in self.own.values() for s in r.streams)
 
     @property
     def removed(self) -> int:
         """Samples this rank's readers left out because a followed snapshot deleted them."""
+        if self._queued:
+            return sum(int(m.counters[REMOVED]) for r in self._consumed.readers.values()
+                       for m in [*r.streams, *(t for t in r.segment_marks if t is not None)])
         return sum(s.state.removed for r in self.own.values()
                    for s in [*r.streams, *(t for _, t in r.segments if t is not None)])
 
     def state(self) -> LoaderState:
-        """This rank's view: global rows, its own readers' states, the segments."""
+        """This rank's view: global rows, its own readers' states, the segments (after the last batch
+        handed out)."""
+        if self._queued:
+            m = self._consumed
+            return LoaderState(m.rows, {c: r.state_dict(m.readers[c]) for c, r in self.own.items()},
+                               list(self.segments))
         return LoaderState(self.rows, {c: r.state_dict() for c, r in self.own.items()}, list(self.segments))
 
     def load(self, state: LoaderState) -> None:
+        self._queued.clear()
         missing = sorted(set(self.own) - set(state.readers))
         if missing:
             raise ValueError(f"the stream state has no state for canonical readers {missing} (it was saved with "

@@ -27,7 +27,7 @@ Python per sample or per row; `tests/layout_reference.py` keeps it as a plain sc
 
 Building rows (`gather`, `gather_planned`). A row is a list of pieces (a source of positions,
 start, stop), or rows are arrays of (source, start, length) as the stream plans them
-(`PlannedRows`; the loader joins its readers' rows with `join_rows`). The pieces of a whole
+(`PlannedRows`; the loader joins its readers' rows with `interleave_rows`). The pieces of a whole
 batch of rows are written by one compiled loop per source (`datasets/compiled.py`): a window's
 `Layout` writes them from its segment table, positions already written out (`Positions`) are
 copied; one more loop pads the rows and numbers their documents' segments. Each position of a
@@ -110,25 +110,34 @@ class PlannedRows(NamedTuple):
     row_ptr: np.ndarray
 
 
-def join_rows(picks: Sequence[tuple[PlannedRows, int]]) -> PlannedRows:
-    """One set of planned rows from rows of several (row r of each pick, in order): the loader's
-    batch from the rows its canonical readers' streams planned. Source keys are made unique (each
-    plan numbers its own sources), one per source object."""
-    first = next(iter(picks[0][0].sources.values()))
-    if all(len(plan.sources) == 1 and next(iter(plan.sources.values())) is first for plan, _ in picks):
-        # the usual batch: every reader's rows come from the one window they share; with one
-        # source `gather_planned` reads no key, so the pieces need no renumbering
-        parts = [plan.pieces[plan.row_ptr[r] : plan.row_ptr[r + 1]] for plan, r in picks]
-        ptr = np.zeros(len(parts) + 1, dtype=np.int64)
-        ptr[1:] = [len(part) for part in parts]
-        return PlannedRows({0: first}, np.concatenate(parts), np.cumsum(ptr))
-    sources: dict[int, Any] = {}
+# Batches are planned and written this many positions at a time, at least (`ahead_batches`): a
+# batch costs ~15 us of Python and compiled-call overhead whatever its size, as much as writing
+# ~2,000 positions (bench/RESULTS.md), so small batches are made several at a time.
+AHEAD_POSITIONS = 1 << 14
+
+
+def ahead_batches(batch_size: int, seq_len: int) -> int:
+    """How many batches of `batch_size` rows of `seq_len` to plan and write at a time."""
+    return max(1, AHEAD_POSITIONS // max(1, batch_size * seq_len))
+
+
+def interleave_rows(parts: Sequence[tuple[PlannedRows, np.ndarray]], rows: int) -> PlannedRows:
+    """One set of `rows` planned rows from several plans: row i of a part's plan becomes row at[i]
+    (every row placed once). The loader's rows, which its canonical readers' streams planned. Source
+    keys are made unique (each plan numbers its own), one per source object; when every plan names
+    the one layout the readers share (the usual case), the pieces keep their keys (`gather_planned`
+    reads none with one source)."""
+    first = next(iter(parts[0][0].sources.values()))
+    single = all(len(plan.sources) == 1 and next(iter(plan.sources.values())) is first for plan, _ in parts)
+    sources: dict[int, Any] = {0: first} if single else {}
     key_of: dict[int, int] = {}  # one key per source object: readers share a window's layout
-    renumbered: dict[int, np.ndarray] = {}
-    parts = []
-    for plan, r in picks:
-        pieces = renumbered.get(id(plan))
-        if pieces is None:  # each plan's keys once: a lookup from its keys to new ones
+    counts, at_piece = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    tables, offset = [], 0
+    for plan, at in parts:
+        counts[at] = np.diff(plan.row_ptr)
+        at_piece[at] = plan.row_ptr[:-1] + offset
+        pieces = plan.pieces
+        if not single:  # each plan's keys to new ones, through a lookup
             keys = list(plan.sources)
             lookup = np.zeros(max(keys) + 1, dtype=np.int64)
             for k in keys:
@@ -137,13 +146,14 @@ def join_rows(picks: Sequence[tuple[PlannedRows, int]]) -> PlannedRows:
                     key_of[id(obj)] = len(sources)
                     sources[len(sources)] = obj
                 lookup[k] = key_of[id(obj)]
-            pieces = renumbered[id(plan)] = plan.pieces.copy()
+            pieces = pieces.copy()
             pieces[:, 0] = lookup[plan.pieces[:, 0]]
-        parts.append(pieces[plan.row_ptr[r] : plan.row_ptr[r + 1]])
-    ptr = [0]
-    for part in parts:
-        ptr.append(ptr[-1] + len(part))
-    return PlannedRows(sources, np.concatenate(parts), np.array(ptr, dtype=np.int64))
+        tables.append(pieces)
+        offset += len(pieces)
+    row_ptr = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(counts, out=row_ptr[1:])
+    take = np.repeat(at_piece - row_ptr[:-1], counts) + np.arange(row_ptr[-1])
+    return PlannedRows(sources, np.concatenate(tables)[take], row_ptr)
 
 
 def pack_row(samples: Sequence[Any], seq_len: int) -> dict[str, np.ndarray]:

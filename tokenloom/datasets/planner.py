@@ -32,31 +32,28 @@ DONE, NEED_SAMPLES, NOTHING_LEFT, NOTHING_FITS = range(4)
 
 
 @njit(cache=True, nogil=True)
-def _take_row(pend, n_pend, seq_len, out, n_out):
+def _pick_row(pend, length, closes, head, n_phys, seq_len, out, n_out):
     """The next row from the pending pieces (`packing.py`'s rule: the oldest first, then the largest
     that fits, the oldest among equals, at most one closing piece, placed last), written to
-    out[n_out:] as (source, position, length); the taken pieces leave `pend`, which keeps stream
-    order. Returns (pieces written, pieces left).
+    out[n_out:] as (source, position, length). Returns the pieces written.
 
-    Each pick scans the pending lengths, copied once per row into a contiguous array (a taken
-    piece's length becomes seq_len + 1, so it never fits again); a piece exactly as long as the
-    room left is the pick as soon as the scan (in stream order) meets it: none is longer, none of
-    that length is older."""
-    length = np.empty(n_pend, dtype=np.int64)
-    closes = np.empty(n_pend, dtype=np.bool_)
-    for i in range(n_pend):
-        length[i], closes[i] = pend[i, STOP] - pend[i, START], pend[i, CLOSES] != 0
-    order = np.empty(n_pend, dtype=np.int64)
-    n_chosen, last = 1, -1
-    if closes[0]:
-        n_chosen, last = 0, 0
+    The pending pieces are pend[head:n_phys] in stream order, with their lengths and whether each
+    closes its row alongside (contiguous, for the scans); a piece no longer pending (taken) has a
+    length of seq_len + 1, so it never fits, and so do the pieces this takes. Each pick scans the
+    lengths; a piece exactly as long as the room left is the pick as soon as the scan meets it:
+    none is longer, none of that length is older."""
+    dead = seq_len + 1
+    n_chosen, last = 0, -1
+    if closes[head]:
+        last = head
     else:
-        order[0] = 0
-    room = seq_len - length[0]
-    length[0] = seq_len + 1
+        out[n_out, 0], out[n_out, 1], out[n_out, 2] = pend[head, SRC], pend[head, PPOS], length[head]
+        n_chosen = 1
+    room = seq_len - length[head]
+    length[head] = dead
     while room > 0:
         best_open, best_close, open_len, close_len = -1, -1, 0, 0
-        for i in range(1, n_pend):
+        for i in range(head + 1, n_phys):
             li = length[i]
             if li > room:
                 continue
@@ -75,31 +72,54 @@ def _take_row(pend, n_pend, seq_len, out, n_out):
         if pick < 0:
             break
         room -= length[pick]
-        length[pick] = seq_len + 1
         if closes[pick]:
             last = pick
         else:
-            order[n_chosen] = pick
+            m = n_out + n_chosen
+            out[m, 0], out[m, 1], out[m, 2] = pend[pick, SRC], pend[pick, PPOS], length[pick]
             n_chosen += 1
+        length[pick] = dead
     if last >= 0:
-        order[n_chosen] = last
+        m = n_out + n_chosen
+        out[m, 0], out[m, 1], out[m, 2] = pend[last, SRC], pend[last, PPOS], pend[last, STOP] - pend[last, START]
         n_chosen += 1
-    for m in range(n_chosen):
-        i = order[m]
-        out[n_out + m, 0], out[n_out + m, 1] = pend[i, SRC], pend[i, PPOS]
-        out[n_out + m, 2] = pend[i, STOP] - pend[i, START]
+    return n_chosen
+
+
+@njit(cache=True, nogil=True)
+def _compact(pend, length, closes, head, n_phys, seq_len):
+    """Drop the taken pieces from pend[head:n_phys] (and their lengths and closes), keeping stream
+    order, to the front. Returns how many pend."""
     kept = 0
-    for i in range(n_pend):
+    for i in range(head, n_phys):
         if length[i] <= seq_len:
             if kept != i:
                 pend[kept, :] = pend[i, :]
+                length[kept], closes[kept] = length[i], closes[i]
             kept += 1
-    return n_chosen, kept
+    return kept
+
+
+@njit(cache=True, nogil=True)
+def _take_row(pend, n_pend, seq_len, out, n_out):
+    """One row from the pending table pend[:n_pend] (`_pick_row`), the taken pieces dropped from it.
+    Returns (pieces written, pieces left)."""
+    length = np.empty(n_pend, dtype=np.int64)
+    closes = np.empty(n_pend, dtype=np.bool_)
+    for i in range(n_pend):
+        length[i], closes[i] = pend[i, STOP] - pend[i, START], pend[i, CLOSES] != 0
+    n = _pick_row(pend, length, closes, 0, n_pend, seq_len, out, n_out)
+    return n, _compact(pend, length, closes, 0, n_pend, seq_len)
+
+
+# taken pieces stay in `plan_rows`' table (skipped by the scans) until this many have gathered
+_COMPACT_AFTER = 32
 
 
 @njit(cache=True, nogil=True)
 def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, src, base, closes, status,
-              piece_ptr, piece_start, piece_stop, samples_per_epoch, out, row_ptr):
+              piece_ptr, piece_start, piece_stop, samples_per_epoch, out, row_ptr, marks_at, mark_pend,
+              mark_counters):
     """Up to `rows` rows: before each, pending pieces are refilled from the window of samples (one
     sample at a time, in cursor order, while fewer than `pack_window` pend), then a row is taken.
 
@@ -108,19 +128,36 @@ def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, 
     piece_ptr[k]..piece_ptr[k + 1] of (piece_start, piece_stop); 1: skipped, a media segment longer
     than a row; 2: removed, deleted by a later snapshot). counters[NEXT] is the next cursor to pull
     (it may be past this window: then nothing is pulled). Rows go to `out` as (source, position,
-    length) pieces, row r's being out[row_ptr[r]:row_ptr[r + 1]] for the rows made this call.
+    length) pieces, row r's being out[row_ptr[r]:row_ptr[r + 1]] for the rows made this call. The
+    pending table pend[:counters[N_PEND]] (its capacity `len(pend)` at least the pieces pending
+    plus `pack_window` plus one sample's) is in stream order when this returns; within the call,
+    taken pieces are dropped from it every `_COMPACT_AFTER` (`_pick_row` skips them).
+
+    Marks: after marks_at[m] rows (ascending, counted from this call's first), the pending pieces
+    and the counters as they stand go to mark_pend[m] and mark_counters[m] (the caller's record of
+    the state after each batch of rows planned ahead, `TokenStream.batches`).
 
     Returns (rows made, reason): DONE; NEED_SAMPLES (the next cursor is past this window: the caller
     gives the next one and calls again); NOTHING_LEFT (no piece pends and `refill` is off: the
     passes are read); NOTHING_FITS (a whole epoch of samples gave no piece and none pends)."""
-    n_pend = counters[N_PEND]
+    cap = len(pend)
+    length = np.empty(cap, dtype=np.int64)
+    pend_closes = np.empty(cap, dtype=np.bool_)
+    n_phys = live = counters[N_PEND]
+    head = 0
+    for i in range(n_phys):
+        length[i], pend_closes[i] = pend[i, STOP] - pend[i, START], pend[i, CLOSES] != 0
     made = 0
+    mark = 0
+    while mark < len(marks_at) and marks_at[mark] <= 0:
+        mark += 1
+    reason = DONE
     while made < rows:
-        while refill and n_pend < pack_window:
+        while refill and live < pack_window:
             k = counters[NEXT] - first
             if k < 0 or k >= len(status):
-                counters[N_PEND] = n_pend
-                return made, NEED_SAMPLES
+                reason = NEED_SAMPLES
+                break
             counters[NEXT] += 1
             if status[k] == 1:
                 counters[SKIPPED] += 1
@@ -131,26 +168,46 @@ def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, 
             if status[k] != 0 or piece_ptr[k + 1] == piece_ptr[k]:
                 counters[EMPTY_RUN] += 1
                 if counters[EMPTY_RUN] > samples_per_epoch:
-                    if n_pend:
+                    if live:
                         break  # a whole epoch gave nothing more: pack what is pending
-                    counters[N_PEND] = n_pend
-                    return made, NOTHING_FITS
+                    reason = NOTHING_FITS
+                    break
                 continue
             counters[EMPTY_RUN] = 0
+            if n_phys + piece_ptr[k + 1] - piece_ptr[k] > cap:
+                n_phys, head = _compact(pend, length, pend_closes, head, n_phys, seq_len), 0
             for m in range(piece_ptr[k], piece_ptr[k + 1]):
-                pend[n_pend, EPOCH], pend[n_pend, CURSOR] = epoch, first + k
-                pend[n_pend, START], pend[n_pend, STOP] = piece_start[m], piece_stop[m]
-                pend[n_pend, SRC], pend[n_pend, PPOS], pend[n_pend, CLOSES] = src, base[k] + piece_start[m], closes[k]
-                n_pend += 1
+                pend[n_phys, EPOCH], pend[n_phys, CURSOR] = epoch, first + k
+                pend[n_phys, START], pend[n_phys, STOP] = piece_start[m], piece_stop[m]
+                pend[n_phys, SRC], pend[n_phys, PPOS], pend[n_phys, CLOSES] = src, base[k] + piece_start[m], closes[k]
+                length[n_phys], pend_closes[n_phys] = piece_stop[m] - piece_start[m], closes[k] != 0
+                n_phys += 1
+                live += 1
+        if reason != DONE:
+            break
         counters[EMPTY_RUN] = 0
-        if n_pend == 0:
-            counters[N_PEND] = 0
-            return made, NOTHING_LEFT
-        n, n_pend = _take_row(pend, n_pend, seq_len, out, row_ptr[made])
+        if live == 0:
+            reason = NOTHING_LEFT
+            break
+        n = _pick_row(pend, length, pend_closes, head, n_phys, seq_len, out, row_ptr[made])
+        live -= n
+        while head < n_phys and length[head] > seq_len:
+            head += 1
+        if n_phys - head - live >= _COMPACT_AFTER:
+            n_phys, head = _compact(pend, length, pend_closes, head, n_phys, seq_len), 0
         row_ptr[made + 1] = row_ptr[made] + n
         made += 1
-    counters[N_PEND] = n_pend
-    return made, DONE
+        if mark < len(marks_at) and marks_at[mark] == made:
+            j = 0
+            for i in range(head, n_phys):
+                if length[i] <= seq_len:
+                    mark_pend[mark, j, :] = pend[i, :]
+                    j += 1
+            mark_counters[mark] = counters
+            mark_counters[mark, N_PEND] = live
+            mark += 1
+    counters[N_PEND] = _compact(pend, length, pend_closes, head, n_phys, seq_len)
+    return made, reason
 
 
 @njit(cache=True, nogil=True)

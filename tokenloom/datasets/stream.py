@@ -44,6 +44,12 @@ window's rows are packed, the next window (the next epoch's first after the last
 laid out in a background thread (`stream.read_ahead`; pyarrow's decoding and the compiled loops
 release the GIL): a layout is a function of its files and rows alone, so the rows are the same
 with it off, and in a long run reading costs the packer almost nothing (bench/RESULTS.md).
+`batches` plans and writes `packing.ahead_batches` batches at a time (a batch costs ~15 us of
+Python and compiled calls whatever its size): one `plan_rows` call marks the planner's state after
+each batch (`StreamMark`), one gather writes them all, and each batch is a view of its share.
+`state` is the state after the last batch handed out, and whatever changes what comes next
+(setting the state, `exclude`, `plan`) first rewinds to it, so the rows and the states are those
+of planning one batch at a time.
 
 Deletions (follow mode). `exclude(sample_ids)` drops samples a later snapshot deleted: from then
 on, a pulled sample whose `sample_id` is excluded gives no piece and is counted (`removed`);
@@ -53,7 +59,8 @@ loader, from its follow segments) excludes again on resume, at the same point.
 State. `StreamState` is the next sample to pull (epoch, rank-local cursor), the pieces pulled
 but not yet packed (each named by epoch, cursor and position range, in window order) and the
 counts of skipped and removed samples. The window is rebuilt from it on resume, so a stream saved after N
-rows and resumed yields exactly the rows an uninterrupted stream yields.
+rows and resumed yields exactly the rows an uninterrupted stream yields. The end of an epoch is named
+as the next one's start (epoch + 1, cursor 0), whichever way the rows were planned.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ import os
 import threading
 import warnings
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,7 +83,7 @@ from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.catalog.uris import filesystem_and_path
 from tokenloom.datasets.compiled import PAD_ID
 from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
-from tokenloom.datasets.packing import PlannedRows, gather_planned, pack_row
+from tokenloom.datasets.packing import PlannedRows, ahead_batches, gather_planned, pack_row
 from tokenloom.datasets.planner import (
     COUNTERS,
     FIRST_SKIP,
@@ -94,7 +101,7 @@ from tokenloom.datasets.planner import (
 )
 
 __all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "SourceSpec", "StreamConfig",
-           "StreamExhausted", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
+           "StreamExhausted", "StreamMark", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
 
 
 class NoSampleFits(ValueError):
@@ -137,6 +144,18 @@ class StreamConfig:
     # which must divide them; a run resumes on any such number of ranks
     readers: int = 4
     sources: list[SourceSpec] = field(default_factory=list)  # a mixture; empty: the dataset trained on
+
+
+class StreamMark(NamedTuple):
+    """A stream's planner between two rows (`TokenStream.mark`, `plan`'s marks): the next sample to
+    pull, the pending pieces and the counters (`planner.plan_rows`' table), the layouts those pieces
+    come from. `TokenStream.rewind` goes back to it, `state_at` names it as a `StreamState`."""
+
+    epoch: int
+    cursor: int
+    pend: np.ndarray
+    counters: np.ndarray
+    sources: dict[int, Layout]
 
 
 class PendingPiece(NamedTuple):
@@ -359,6 +378,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 # no window: `plan_rows` only packs what pends (the passes are read)
 _NO_SAMPLES = _FileWindow(0, 0, 0, -1, None, _EMPTY, _EMPTY, _EMPTY, _EMPTY, np.zeros(1, dtype=np.int64), _EMPTY,
                           _EMPTY, 0)
+_NO_MARKS = _EMPTY  # `_plan` without marks
 
 
 class TokenStream:
@@ -405,6 +425,10 @@ class TokenStream:
         self._epoch = self._cursor = 0
         self._excluded: frozenset[str] = frozenset()
         self._warned = False  # one warning per stream about skipped samples; the count says the rest
+        # `batches`' rows planned and written ahead: (batch, the planner's mark after it), and the mark
+        # after the last batch handed out (what `state` reports while batches are queued)
+        self._queued: deque[tuple[dict[str, np.ndarray], StreamMark]] = deque()
+        self._consumed: StreamMark | None = None
         self.state = state or StreamState()
 
     # -- sample access ------------------------------------------------------------------
@@ -439,6 +463,7 @@ class TokenStream:
         """Never read these samples again (a later snapshot deleted them); see the module docstring."""
         more = self._excluded | frozenset(sample_ids)
         if more != self._excluded:
+            self._unqueue()  # rows planned ahead must not have read what is now excluded
             self._excluded = more
             self._drop_cache()  # read the windows again, with their sample ids
 
@@ -514,21 +539,32 @@ class TokenStream:
     @property
     def exhausted(self) -> bool:
         """No sample is left to pull (only ever true for a stream of a fixed number of passes)."""
+        self._unqueue()
+        return self._exhausted()
+
+    def _exhausted(self) -> bool:
         if not self.passes:
             return False
         while self._epoch < self.passes and self._cursor >= self.samples_per_epoch(self._epoch):
             self._epoch, self._cursor = self._epoch + 1, 0
         return self._epoch >= self.passes
 
-    def plan(self, rows: int) -> PlannedRows:
+    def plan(self, rows: int, marks_at: np.ndarray = _NO_MARKS, marks: list[StreamMark] | None = None) -> PlannedRows:
         """The next `rows` rows as pieces (source id, position, length), row r's at
         pieces[row_ptr[r]:row_ptr[r + 1]], and the layouts they name (`planner.plan_rows` chooses
         them; this feeds it windows of samples, epoch after epoch, and turns its reasons into errors
-        and warnings)."""
+        and warnings). The keys are the stream's source ids: plans of one stream share them. With
+        `marks`, the planner's state after marks_at[m] rows (ascending, 1 to `rows`) is appended to
+        it as each is reached (`rewind` goes back to one, `state_at` names it)."""
+        self._unqueue()
+        return self._plan(rows, marks_at, marks)
+
+    def _plan(self, rows: int, marks_at: np.ndarray, marks: list[StreamMark] | None) -> PlannedRows:
         pieces, row_ptr = self._pieces_out, np.zeros(rows + 1, dtype=np.int64)
         made, counters = 0, self._counters
+        sources = self._sources
         while made < rows:
-            refill = not (self.passes and self.exhausted)
+            refill = not (self.passes and self._exhausted())
             per_epoch = 0
             if refill:
                 while self._cursor >= (per_epoch := self.samples_per_epoch(self._epoch)):
@@ -544,10 +580,19 @@ class TokenStream:
             if len(pieces) < need:
                 pieces = np.concatenate([pieces[: row_ptr[made]], np.empty((2 * need, 3), dtype=np.int64)])
             counters[NEXT] = self._cursor
+            at = marks_at[(marks_at > made) & (marks_at <= rows)] - made if len(marks_at) else marks_at
+            mark_pend = np.empty((len(at), len(self._pend), PEND_COLUMNS), dtype=np.int64)
+            mark_counters = np.empty((len(at), COUNTERS), dtype=np.int64)
             n, reason = plan_rows(self._pend, counters, rows - made, self.config.pack_window, self.config.seq_len,
                                   refill, self._epoch, window.first, window.src, window.base, window.closes,
                                   window.status, window.piece_ptr, window.piece_start, window.piece_stop,
-                                  per_epoch, pieces, row_ptr[made:])
+                                  per_epoch, pieces, row_ptr[made:], at, mark_pend, mark_counters)
+            if marks is not None and len(at) and at[0] <= n:
+                if self._sources is not sources or len(sources) != len(self._sources):
+                    sources = dict(self._sources)  # the layouts the marks' pending pieces may name
+                for m in range(int(np.searchsorted(at, n, side="right"))):
+                    c = mark_counters[m]
+                    marks.append(StreamMark(self._epoch, int(c[NEXT]), mark_pend[m, : c[N_PEND]], c, sources))
             self._cursor = int(counters[NEXT])
             made += n
             if counters[FIRST_SKIP] >= 0 and not self._warned:
@@ -601,18 +646,84 @@ class TokenStream:
 
     def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Batches of rows [B, ...] under the row keys, plus `fill_ratio` [B] float64: each row's
-        non-padding share, whose mean is the batch's fill ratio."""
+        non-padding share, whose mean is the batch's fill ratio.
+
+        Rows are planned and written `ahead_batches(batch_size, seq_len)` batches at a time (one
+        compiled pass for all of them; each batch a view of its share), with the planner's state
+        marked after each batch: `state` is the state after the last batch handed out, and anything
+        that changes what comes next (setting the state, `exclude`, `plan`) first rewinds to it, so
+        the rows and the states are those of planning one batch at a time."""
         while True:
-            yield self._gather(batch_size)
+            if not self._queued or len(self._queued[0][0]["fill_ratio"]) != batch_size:
+                self._unqueue()
+                self._queue(batch_size)
+            batch, self._consumed = self._queued.popleft()
+            yield batch
+
+    def _queue(self, batch_size: int) -> None:
+        """Plan and write the next batches (see `batches`): one `_plan` call marks the state after each.
+        An error (the passes read, nothing fits) ends the batches before it: they are planned again
+        from the start (the rows are a function of the state) and the error is raised when the batch
+        that meets it is asked for, as one batch at a time would."""
+        k = ahead_batches(batch_size, self.config.seq_len)
+        start, marks = self.mark(), []
+        try:
+            plan = self._plan(k * batch_size, np.arange(1, k + 1) * batch_size, marks)
+        except Exception:
+            if not marks:
+                raise
+            k, marks = len(marks), []
+            self._rewind(start)
+            plan = self._plan(k * batch_size, np.arange(1, k + 1) * batch_size, marks)
+        batch = gather_planned(*plan, self.config.seq_len, self.group_size)
+        for j, mark in enumerate(marks):
+            self._queued.append(({k: v[j * batch_size : (j + 1) * batch_size] for k, v in batch.items()}, mark))
+
+    def _unqueue(self) -> None:
+        """Drop the batches planned ahead and rewind the planner to the last one handed out."""
+        if self._queued:
+            self._queued.clear()
+            self._rewind(self._consumed)
+
+    def mark(self) -> StreamMark:
+        """The planner's state as it stands (copies of the pending table and counters: a few KB)."""
+        c = self._counters
+        return StreamMark(self._epoch, self._cursor, self._pend[: c[N_PEND]].copy(), c.copy(), dict(self._sources))
+
+    def rewind(self, mark: StreamMark) -> None:
+        """Back to a mark of this stream's planner (`mark`, `plan`'s marks); batches made ahead are
+        dropped. The windows read since stay in memory."""
+        self._queued.clear()
+        self._rewind(mark)
+
+    def _rewind(self, mark: StreamMark) -> None:
+        self._reserve(len(mark.pend) + self.config.pack_window)
+        self._pend[: len(mark.pend)] = mark.pend
+        self._counters[:] = mark.counters
+        self._epoch, self._cursor, self._sources = mark.epoch, mark.cursor, dict(mark.sources)
+        if self._cache is not None:  # the window in memory may have been read after the mark: keep its layout
+            self._sources.setdefault(self._cache.src, self._cache.layout)
+
+    def state_at(self, mark: StreamMark) -> StreamState:
+        """The state at a mark, in one form: the end of an epoch is named as the next one's start
+        (the planner moves on there only when it next pulls a sample, so where it stands would depend
+        on how many rows each call planned)."""
+        c, epoch, cursor = mark.counters, mark.epoch, mark.cursor
+        if not (self.passes and epoch >= self.passes):
+            order = self._order_of(epoch)
+            if cursor >= (order.total - self.rank + self.world - 1) // self.world:
+                epoch, cursor = epoch + 1, 0
+        pending = tuple(PendingPiece(*p) for p in mark.pend[:, :STOP + 1].tolist())
+        return StreamState(epoch, cursor, pending, int(c[SKIPPED]), int(c[REMOVED]))
 
     @property
     def state(self) -> StreamState:
-        c = self._counters
-        pending = tuple(PendingPiece(*p) for p in self._pend[: c[N_PEND], :STOP + 1].tolist())
-        return StreamState(self._epoch, self._cursor, pending, int(c[SKIPPED]), int(c[REMOVED]))
+        """The state after the last row handed out (batches planned ahead are not counted)."""
+        return self.state_at(self._consumed if self._queued else self.mark())
 
     @state.setter
     def state(self, state: StreamState) -> None:
+        self._queued.clear()
         rows = []
         for p in state.pending:
             window = self._window_of(p.epoch, p.cursor)
