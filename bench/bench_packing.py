@@ -12,8 +12,9 @@ tokens/s against a raw pyarrow read of the same files (the `tokens` and `segment
 tokens flattened to numpy), which is what any reader must do before packing. The stream is
 timed as a trainer consumes it (each batch dropped when the next comes) over one epoch from a
 cold start, over `--epochs` epochs that decode every file again (a long run: the read-ahead
-thread overlaps every window's read but the first), with `stream.read_ahead` off, and keeping
-every batch (fresh memory for each). Its own reading (Parquet to segment tables, `read_layout`)
+thread overlaps every window's read but the first), with `stream.read_ahead` off, keeping every
+batch (fresh memory for each), and as the trainer reads it (`datasets.loader.Loader`, 4 canonical
+readers, one epoch from a cold start). Its own reading (Parquet to segment tables, `read_layout`)
 is timed alone beside it. The compiled loops (`datasets/compiled.py`) are loaded once before
 any timing (numba's cache; a one-off per process).
 
@@ -37,9 +38,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokenloom.catalog.schema import SEGMENT_TYPE
-from tokenloom.contract import PAD_MODALITY
+from tokenloom.contract import PAD_MODALITY, ROW_KEYS
 from tokenloom.datasets import ShardFile, StreamConfig, TokenStream
 from tokenloom.datasets import stream as stream_module
+from tokenloom.datasets.loader import Loader, Source
 from tokenloom.datasets.stream import ROW_ID, EpochOrder, forget_read_tables, read_layout, sample_positions
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, SampleLayout, TextPart
 from tokenloom.tokenizers.vocab import VocabManifest
@@ -147,6 +149,25 @@ def stream_rate(files, cfg: StreamConfig, rows: int, keep: bool = False) -> tupl
     return float(np.mean(fills)), tokens / seconds, stream.state.skipped
 
 
+def loader_rate(files, cfg: StreamConfig, rows: int) -> float:
+    """tokens/s of the trainer's path over `rows` rows from a cold start: `Loader` with 4 canonical
+    readers (one source), batches of 8, each dropped when the next comes; tokens counted in a
+    separate untimed run (its rows are the same)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batches = Loader([Source("bench", tuple(files))], cfg, readers=4).batches(8)
+        tokens = 0
+        for _ in range(rows // 8):
+            batch = next(batches)
+            tokens += sum(real_tokens({k: v[b] for k, v in batch.items() if k in ROW_KEYS}) for b in range(8))
+        forget_read_tables()
+        t0 = time.perf_counter()
+        batches = Loader([Source("bench", tuple(files))], cfg, readers=4).batches(8)
+        for _ in range(rows // 8):
+            next(batches)
+        return tokens / (time.perf_counter() - t0)
+
+
 def steady_rate(files, cfg: StreamConfig, epoch_rows: int, epochs: int) -> float:
     """tokens/s of `epochs` epochs of one stream, with the shard and layout caches cut to one entry
     so that every epoch decodes its files again, as a long run over a large dataset does: the first
@@ -222,7 +243,9 @@ def main() -> None:
                 ("one epoch, stream.read_ahead off",
                  lambda: stream_rate(files, replace(cfg, read_ahead=False), epoch_rows)[1]),
                 ("one epoch, every batch kept (fresh memory for each)",
-                 lambda: stream_rate(files, cfg, epoch_rows, keep=True)[1])):
+                 lambda: stream_rate(files, cfg, epoch_rows, keep=True)[1]),
+                ("the trainer's path: Loader, 4 canonical readers, one epoch, cold",
+                 lambda: loader_rate(files, cfg, epoch_rows))):
             # the machine's speed drifts: each line's peer runs beside it, turn about, best of 3 each
             rates, raws = zip(*((run(), raw_pyarrow_rate(files)) for _ in range(3)), strict=True)
             print(f"stream {max(rates) / 1e6:.3f} M tokens/s = {max(rates) / max(raws):.3f}x the raw read "

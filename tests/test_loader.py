@@ -285,8 +285,13 @@ def test_the_canonical_readers_decode_each_file_once(tmp_path, monkeypatch):
 
     stream_module.forget_read_tables()
     reads = []
-    real = pq.read_table
-    monkeypatch.setattr(pq, "read_table", lambda path, *a, **k: reads.append(str(path)) or real(path, *a, **k))
+
+    class Recorded(pq.ParquetFile):
+        def __init__(self, source, *a, **k):
+            reads.append(str(source))
+            super().__init__(source, *a, **k)
+
+    monkeypatch.setattr(pq, "ParquetFile", Recorded)
     files = _files(tmp_path, n_files=4, per_file=12)
     cfg = StreamConfig(seq_len=64, group_size=2, audio_window=4, shuffle_window=2)
     loader = Loader([Source("m", tuple(files))], cfg, readers=4)

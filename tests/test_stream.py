@@ -185,9 +185,13 @@ def test_reading_ahead_gives_the_same_rows_and_reads_in_the_background(shard_fil
     from tokenloom.datasets import stream as stream_module
 
     threads = []
-    real = pq.read_table
-    monkeypatch.setattr(pq, "read_table",
-                        lambda *a, **k: threads.append(threading.current_thread().name) or real(*a, **k))
+
+    class Recorded(pq.ParquetFile):
+        def read(self, *a, **k):
+            threads.append(threading.current_thread().name)
+            return super().read(*a, **k)
+
+    monkeypatch.setattr(pq, "ParquetFile", Recorded)
     runs = {}
     for ahead in (False, True):
         stream_module.forget_read_tables()
@@ -215,14 +219,14 @@ def test_threads_reading_one_shard_decode_it_once(tmp_path, monkeypatch):
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"not parquet at all")
     decodes = []
-    real = pq.read_table
 
-    def slow_read(*a, **k):
-        decodes.append(str(a[0]))
-        time.sleep(0.2)  # long enough that every thread asks while the first decodes
-        return real(*a, **k)
+    class Slow(pq.ParquetFile):
+        def __init__(self, source, *a, **k):
+            decodes.append(str(source))
+            time.sleep(0.2)  # long enough that every thread asks while the first decodes
+            super().__init__(source, *a, **k)
 
-    monkeypatch.setattr(pq, "read_table", slow_read)
+    monkeypatch.setattr(pq, "ParquetFile", Slow)
     stream_module.forget_read_tables()
     with ThreadPoolExecutor(4) as pool:
         shard = stream_module._file_key(str(path))
@@ -230,7 +234,9 @@ def test_threads_reading_one_shard_decode_it_once(tmp_path, monkeypatch):
         layouts = list(pool.map(lambda p: stream_module.read_layout([p], 1, 4), [str(path)] * 4))
         errors = list(pool.map(lambda k: _error_of(stream_module._token_table, k),
                                [stream_module._file_key(str(broken))] * 4))
-    assert decodes == [str(path)] and all(t is tables[0] for t in tables) and all(x is layouts[0] for x in layouts)
+    # one decode each, the broken file's too: the threads that waited for it got its error
+    assert decodes == [str(path), str(broken)]
+    assert all(t is tables[0] for t in tables) and all(x is layouts[0] for x in layouts)
     assert tables[0].column("tokens").to_pylist() == [[1, 2, 3]] * 5 and len(layouts[0]) == 5
     assert all(isinstance(e, OSError) and "cannot read token shard" in str(e) for e in errors)
     assert stream_module._RECENT.reading == {} and stream_module._LAYOUTS.reading == {}  # none left waiting

@@ -70,10 +70,10 @@ def _label_across(tokens, seg, k, g, sample_last, labels, target, q):
 
 
 @njit(cache=True, nogil=True)
-def _fields(q0, q1, mod, att, win, d, ids, labels, modality, attention, window, docs):
+def _fields(q0, q1, mod, att, win, d, free, ids, labels, modality, attention, window, docs):
     """What a segment and its piece fix for positions [q0, q1), field by field (unsigned indices:
     no wraparound test per access, so each loop is a plain fill), and -1 / IGNORE_INDEX in the id
-    and label slots past the first (an audio frame writes its levels over them)."""
+    and label slots from `free` on (an audio frame's levels fill those before)."""
     a, b = _U(q0), _U(q1)
     for q in range(a, b):
         modality[q] = mod
@@ -83,11 +83,27 @@ def _fields(q0, q1, mod, att, win, d, ids, labels, modality, attention, window, 
         window[q] = win
     for q in range(a, b):
         docs[q] = d
-    for slot in range(1, ids.shape[1]):
+    for slot in range(free, ids.shape[1]):
         for q in range(a, b):
             ids[q, slot] = -1
         for q in range(a, b):
             labels[q, slot] = IGNORE_INDEX
+
+
+@njit(cache=True, nogil=True)
+def _ramp(coords, q0, q1, t0):
+    """coords[q] = (t0 + q, t0 + q, t0 + q) for q in [q0, q1): text and audio advance t = h = w."""
+    for q in range(_U(q0), _U(q1)):
+        t = t0 + q
+        coords[q, 0] = t
+        coords[q, 1] = t
+        coords[q, 2] = t
+
+
+@njit(cache=True, nogil=True)
+def _fill(out, q0, q1, value):
+    for q in range(_U(q0), _U(q1)):
+        out[q] = value
 
 
 @njit(cache=True, nogil=True)
@@ -116,57 +132,70 @@ def expand_pieces(tokens, seg, sample_segments, offsets, pieces, key, dest, doc,
             lo, hi = max(a, s0), min(b, s0 + npos)
             mod, base, tick, seg0, h, w = seg[k, MOD], seg[k, P0], seg[k, TICK], seg[k, SEG0], seg[k, H], seg[k, W]
             att, win, tok = seg[k, ATT], seg[k, WIN], seg[k, TOK]
-            if hi > lo:
-                _fields(lo + shift, hi + shift, mod, att, win, d, ids, labels, modality, attention, window, docs)
+            if hi <= lo:
+                continue
+            _fields(lo + shift, hi + shift, mod, att, win, d, w if mod == _AUDIO else 1, ids, labels, modality,
+                    attention, window, docs)
+            # each field of the positions [lo, hi) of segment k in its own loop (plain copies and fills)
             if mod == _IMAGE:
                 pw = max(w, 1)
-                j0 = lo - s0
-                r, c = j0 // pw, j0 % pw
-                t = base + tick
-                for g in range(lo, hi):
-                    j, q = g - s0, g + shift
-                    ids[q, 0] = ROW_ID if r == 0 else tokens[tok + j - pw]
-                    coords[q, 0], coords[q, 1], coords[q, 2] = t, base + r, base + c
-                    segment[q] = seg0 + r
+                g = lo
+                while g < hi:  # one image row (or the start row, r = 0) at a time
+                    j = g - s0
+                    r = j // pw
+                    end = min(hi, s0 + (r + 1) * pw)
+                    q0, q1 = _U(g + shift), _U(end + shift)
+                    if r == 0:
+                        _fill(ids[:, 0], q0, q1, ROW_ID)
+                    else:
+                        off = tok + j - pw - (g + shift)  # the code at position q: tokens[off + q]
+                        for q in range(q0, q1):
+                            ids[q, 0] = tokens[off + q]
+                    c0 = base + j - r * pw - (g + shift)  # the column coordinate at q: c0 + q
+                    for q in range(q0, q1):
+                        coords[q, 0] = base + tick
+                        coords[q, 1] = base + r
+                        coords[q, 2] = c0 + q
+                    _fill(segment, q0, q1, seg0 + r)
                     if r < h:  # the start row and rows 0..h-2: the next row's code in column c
-                        labels[q, 0], target[q] = tokens[tok + j], _IMAGE
-                    elif j < npos - 1:  # the last row, but its last position: no target
-                        labels[q, 0], target[q] = IGNORE_INDEX, -1
-                    else:
-                        _label_across(tokens, seg, k, g, sample_last, labels, target, q)
-                    c += 1
-                    if c == pw:
-                        r, c = r + 1, 0
-            elif mod == _AUDIO:
-                for g in range(lo, hi):
-                    j, q = g - s0, g + shift
-                    for slot in range(w):
-                        ids[q, slot] = tokens[tok + j * w + slot]
-                    t = base + tick + j
-                    coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
-                    segment[q] = seg0
-                    if j < npos - 1:
-                        for slot in range(w):
-                            labels[q, slot] = tokens[tok + (j + 1) * w + slot]
-                        target[q] = mod
-                    else:
-                        _label_across(tokens, seg, k, g, sample_last, labels, target, q)
+                        off = tok + j - (g + shift)
+                        for q in range(q0, q1):
+                            labels[q, 0] = tokens[off + q]
+                        _fill(target, q0, q1, _IMAGE)
+                    else:  # the last row: no target, but its last position predicts what follows
+                        _fill(labels[:, 0], q0, q1, IGNORE_INDEX)
+                        _fill(target, q0, q1, -1)
+                        if end == s0 + npos:
+                            _label_across(tokens, seg, k, end - 1, sample_last, labels, target, end - 1 + shift)
+                    g = end
             else:
-                last = min(hi, s0 + npos - 1)  # positions before the segment's last predict within it
-                for g in range(lo, last):
-                    j, q = g - s0, g + shift
-                    ids[q, 0] = tokens[tok + j]
-                    t = base + tick + j
-                    coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
-                    segment[q] = seg0
-                    labels[q, 0], target[q] = tokens[tok + j + 1], mod
-                for g in range(max(lo, last), hi):
-                    j, q = g - s0, g + shift
-                    ids[q, 0] = tokens[tok + j]
-                    t = base + tick + j
-                    coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
-                    segment[q] = seg0
-                    _label_across(tokens, seg, k, g, sample_last, labels, target, q)
+                last = min(hi, s0 + npos - 1)  # positions before the segment's last predict within the segment
+                q0, q1, ql = _U(lo + shift), _U(hi + shift), _U(max(lo, last) + shift)
+                _ramp(coords, q0, q1, base + tick - s0 - shift)
+                _fill(segment, q0, q1, seg0)
+                _fill(target, q0, ql, mod)
+                if mod == _AUDIO and w == ids.shape[1]:  # frames of all G levels: flat copies
+                    flat_ids, flat_labels = ids.reshape(-1), labels.reshape(-1)
+                    off = tok + (lo - s0) * w - q0 * w  # the level-0 code of position q: tokens[off + q * w]
+                    for i in range(q0 * w, q1 * w):
+                        flat_ids[i] = tokens[off + i]
+                    for i in range(q0 * w, ql * w):
+                        flat_labels[i] = tokens[off + w + i]
+                elif mod == _AUDIO:
+                    for slot in range(w):
+                        off = tok + (lo - s0) * w + slot - q0 * w
+                        for q in range(q0, q1):
+                            ids[q, slot] = tokens[off + q * w]
+                        for q in range(q0, ql):
+                            labels[q, slot] = tokens[off + w + q * w]
+                else:
+                    off = tok - s0 - shift  # the token at position q: tokens[off + q]
+                    for q in range(q0, q1):
+                        ids[q, 0] = tokens[off + q]
+                    for q in range(q0, ql):
+                        labels[q, 0] = tokens[off + q + 1]
+                if last < hi:
+                    _label_across(tokens, seg, k, last, sample_last, labels, target, last + shift)
 
 
 @njit(cache=True, nogil=True)

@@ -146,16 +146,30 @@ class StreamConfig:
     sources: list[SourceSpec] = field(default_factory=list)  # a mixture; empty: the dataset trained on
 
 
-class StreamMark(NamedTuple):
+class StreamMark:
     """A stream's planner between two rows (`TokenStream.mark`, `plan`'s marks): the next sample to
-    pull, the pending pieces and the counters (`planner.plan_rows`' table), the layouts those pieces
-    come from. `TokenStream.rewind` goes back to it, `state_at` names it as a `StreamState`."""
+    pull (`epoch`, `cursor`), the pending pieces (`pend`, `planner.plan_rows`' table) and its
+    `counters`, and the layouts those pieces come from. `TokenStream.rewind` goes back to it,
+    `state_at` names it as a `StreamState`. Marks recorded by one `plan_rows` call share its arrays
+    (mark i is row i of them), so a batch's mark costs no copy in Python."""
 
-    epoch: int
-    cursor: int
-    pend: np.ndarray
-    counters: np.ndarray
-    sources: dict[int, Layout]
+    __slots__ = ("_counters", "_i", "_pend", "epoch", "sources")
+
+    def __init__(self, epoch: int, sources: dict[int, Layout], pend: np.ndarray, counters: np.ndarray, i: int = 0):
+        """`pend` [marks, capacity, PEND_COLUMNS], `counters` [marks, COUNTERS]: this is mark i."""
+        self.epoch, self.sources, self._pend, self._counters, self._i = epoch, sources, pend, counters, i
+
+    @property
+    def counters(self) -> np.ndarray:
+        return self._counters[self._i]
+
+    @property
+    def cursor(self) -> int:
+        return int(self._counters[self._i, NEXT])
+
+    @property
+    def pend(self) -> np.ndarray:
+        return self._pend[self._i, : self._counters[self._i, N_PEND]]
 
 
 class PendingPiece(NamedTuple):
@@ -190,15 +204,24 @@ class StreamState:
                            int(d.get("removed", 0)))
 
 
-def read_layout(paths: Sequence[str], group_size: int, audio_window: int) -> Layout:
+def read_layout(paths: Sequence[str], group_size: int, audio_window: int, parallel: bool = False) -> Layout:
     """The samples of Parquet token shards, in file and row order, laid out (`datasets/layout.py`).
     The layout is shared: the last ones made are kept (with the shards they were read from), so the
     canonical readers of a source, which read the same windows of files, lay each out once and
     each index the samples it takes (taking its rows out of the Arrow columns instead cost each
-    reader more than laying the whole window out)."""
+    reader more than laying the whole window out). `parallel`: decode the files in threads, one per
+    core (pyarrow releases the GIL), for a caller that waits for them; the read-ahead thread reads
+    them one after the other, leaving the other cores to the packer."""
     files = tuple(_file_key(path) for path in paths)
-    return _LAYOUTS.get((files, group_size, audio_window),
-                        lambda: _layout_of([_token_table(key) for key in files], group_size, audio_window))
+
+    def make() -> Layout:
+        if parallel and len(files) > 1:
+            tables = list(_pool("decode", os.cpu_count() or 1).map(_token_table, files))
+        else:
+            tables = [_token_table(key) for key in files]
+        return _layout_of(tables, group_size, audio_window)
+
+    return _LAYOUTS.get((files, group_size, audio_window), make)
 
 
 def _layout_of(tables: Sequence[pa.Table], group_size: int, audio_window: int) -> Layout:
@@ -269,12 +292,15 @@ def _file_key(path: str) -> tuple[str, int, int]:
 
 def _decoder(key: tuple[str, int, int]) -> Callable[[], pa.Table]:
     def decode() -> pa.Table:
+        """One open file, its footer read once (`ParquetFile`: a third faster here than
+        `pq.read_schema` then `pq.read_table`, whose dataset layer is Python that holds the GIL
+        the packer's thread needs, bench/RESULTS.md)."""
         path = key[0]
         filesystem, inner = filesystem_and_path(path)
         try:
-            schema = pq.read_schema(inner, filesystem=filesystem)
-            columns = ["tokens", "segments"] if "segments" in schema.names else ["tokens"]
-            return pq.read_table(inner, columns=columns, filesystem=filesystem, use_threads=False)
+            with pq.ParquetFile(inner, filesystem=filesystem) as shard:
+                columns = ["tokens", "segments"] if "segments" in shard.schema_arrow.names else ["tokens"]
+                return shard.read(columns=columns, use_threads=False)
         except (OSError, ValueError) as exc:
             raise OSError(f"cannot read token shard {path}: {exc}") from exc
     return decode
@@ -287,24 +313,25 @@ def _token_table(key: tuple[str, int, int]) -> pa.Table:
 
 _RECENT = _Recent(lambda table: table.nbytes)  # decoded shards
 _LAYOUTS = _Recent(lambda layout: layout.nbytes)  # whole windows laid out
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
 
 
-def _read_pool() -> ThreadPoolExecutor:
-    """The threads that read windows ahead (made again in a forked child, which has none)."""
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloom-read-ahead"))
-    return _POOL[1]
+def _pool(name: str, threads: int) -> ThreadPoolExecutor:
+    """A named pool of threads: "read-ahead" reads windows ahead, "decode" decodes the files of a
+    window the packer waits for (made again in a forked child, which has none)."""
+    pool = _POOLS.get(name)
+    if pool is None or pool[0] != os.getpid():
+        pool = _POOLS[name] = (os.getpid(), ThreadPoolExecutor(max_workers=threads,
+                                                                thread_name_prefix=f"tokenloom-{name}"))
+    return pool[1]
 
 
 def forget_read_tables() -> None:
     """Drop the shards and layouts kept by the last reads, once the reads under way (read-ahead) are
     done: a benchmark's cold read; tests that rewrite a file."""
-    global _POOL
-    if _POOL is not None:
-        _POOL[1].shutdown(wait=True)
-        _POOL = None
+    for _, pool in _POOLS.values():
+        pool.shutdown(wait=True)
+    _POOLS.clear()
     _RECENT.clear()
     _LAYOUTS.clear()
 
@@ -491,7 +518,7 @@ class TokenStream:
         if self._ahead is not None and self._ahead[0] == (epoch, w):
             layout, self._ahead = self._ahead[1].result(), None
         else:
-            layout = read_layout(paths, self.group_size, self.config.audio_window)  # the whole window's, shared
+            layout = read_layout(paths, self.group_size, self.config.audio_window, parallel=True)  # shared
         self._read_ahead(epoch, w)
         g0 = order.window_starts[w]
         first = -(-(g0 - self.rank) // self.world)  # the window's first rank-local cursor
@@ -528,7 +555,7 @@ class TokenStream:
                 self._ahead is not None and self._ahead[0] == nxt):
             return
         paths, _ = self._window_rows(self._order_of(nxt[0]), nxt[1])
-        self._ahead = (nxt, _read_pool().submit(read_layout, paths, self.group_size, self.config.audio_window))
+        self._ahead = (nxt, _pool("read-ahead", 2).submit(read_layout, paths, self.group_size, self.config.audio_window))
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
         """The flat tokens of a rank-local sample."""
@@ -590,9 +617,9 @@ class TokenStream:
             if marks is not None and len(at) and at[0] <= n:
                 if self._sources is not sources or len(sources) != len(self._sources):
                     sources = dict(self._sources)  # the layouts the marks' pending pieces may name
-                for m in range(int(np.searchsorted(at, n, side="right"))):
-                    c = mark_counters[m]
-                    marks.append(StreamMark(self._epoch, int(c[NEXT]), mark_pend[m, : c[N_PEND]], c, sources))
+                epoch = self._epoch
+                marks += [StreamMark(epoch, sources, mark_pend, mark_counters, m)
+                          for m in range(int(np.searchsorted(at, n, side="right")))]
             self._cursor = int(counters[NEXT])
             made += n
             if counters[FIRST_SKIP] >= 0 and not self._warned:
@@ -687,8 +714,9 @@ class TokenStream:
 
     def mark(self) -> StreamMark:
         """The planner's state as it stands (copies of the pending table and counters: a few KB)."""
-        c = self._counters
-        return StreamMark(self._epoch, self._cursor, self._pend[: c[N_PEND]].copy(), c.copy(), dict(self._sources))
+        counters = self._counters[None].copy()
+        counters[0, NEXT] = self._cursor  # (the counter is the planner's copy, set at each call)
+        return StreamMark(self._epoch, dict(self._sources), self._pend[None, : counters[0, N_PEND]].copy(), counters)
 
     def rewind(self, mark: StreamMark) -> None:
         """Back to a mark of this stream's planner (`mark`, `plan`'s marks); batches made ahead are
