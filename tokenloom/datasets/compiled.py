@@ -218,10 +218,10 @@ def copy_pieces(pieces, key, dest, doc, ids, labels, modality, target, coords, s
 
 
 @njit(cache=True, nogil=True)
-def finish_rows(used, last_doc, seq_len, ids, labels, modality, target, coords, attention, window, docs,
+def finish_rows(used, row_ptr, seq_len, ids, labels, modality, target, coords, attention, window, docs,
                 segment_ids):
     """Pad each row after its `used` positions (no targets, coordinates going on from the last
-    one, the row's last document `last_doc`) and number its segments: `segment_ids` holds each
+    one, the row's last document: its pieces are row_ptr[r]..row_ptr[r + 1]) and number its segments: `segment_ids` holds each
     position's segment index within its sample (as `expand_pieces` wrote it) and gets, in place, a
     new id at each change of (document, segment), padding a segment of its own, counting from 0
     per row."""
@@ -239,7 +239,7 @@ def finish_rows(used, last_doc, seq_len, ids, labels, modality, target, coords, 
             t = last_t + 1 + col - u
             coords[q, 0], coords[q, 1], coords[q, 2] = t, t, t
             modality[q], target[q], attention[q], window[q] = PAD_MODALITY, -1, _CAUSAL, 0
-            docs[q], segment_ids[q] = last_doc[r], -1  # a sample's segments count from 0: -1 is padding's own
+            docs[q], segment_ids[q] = row_ptr[r + 1] - row_ptr[r] - 1, -1  # a sample's segments count from 0: -1 is padding's own
         sid, prev_doc, prev_seg = 0, docs[row0], segment_ids[row0]
         segment_ids[row0] = 0
         for q in range(_U(row0 + 1), _U(row0 + seq_len)):  # unsigned: no wraparound test per access

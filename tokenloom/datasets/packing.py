@@ -92,7 +92,7 @@ def gather_planned(sources: dict[int, Any], pieces: np.ndarray, row_ptr: np.ndar
         else:
             copy_pieces(pieces, key, dest, doc, obj.ids, obj.labels, obj.modality, obj.target, obj.coords, obj.segment,
                         obj.attention, obj.window, *outs)
-    finish_rows(used, np.diff(row_ptr) - 1, L, ids, labels, modality, target, coords, attention, window, docs,
+    finish_rows(used, row_ptr, L, ids, labels, modality, target, coords, attention, window, docs,
                 segment_ids)
     G = ids.shape[1]
     return {"ids": ids.reshape(B, L, G), "labels": labels.reshape(B, L, G), "modality": modality.reshape(B, L),

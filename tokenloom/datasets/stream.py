@@ -401,6 +401,29 @@ class _FileWindow:
     most_pieces: int  # of one sample
 
 
+def _cut_window(layout: Layout, paths: Sequence[str], index: np.ndarray, seq_len: int,
+                excluded: frozenset[str]) -> tuple:
+    """A rank's samples `index` of a window's layout as `_FileWindow`'s per-cursor columns from
+    `base` on: a sample that fits a row is one piece, a longer one is cut outside its media or
+    skipped; excluded samples are marked removed."""
+    status = np.zeros(len(index), dtype=np.int64)
+    if excluded:
+        ids = read_sample_ids(paths, index)
+        status[[k for k, sample_id in enumerate(ids) if sample_id in excluded]] = 2
+    piece_ptr, piece_start, piece_stop = cut_samples(np.diff(layout.offsets)[index], index, layout.media_offsets,
+                                                     layout.media.reshape(-1, 2), seq_len, status)
+    return (layout.offsets[index], layout.ends_row[index].astype(np.int64), status, piece_ptr, piece_start,
+            piece_stop, int(np.diff(piece_ptr).max(initial=1)))
+
+
+def _read_window(paths: Sequence[str], index: np.ndarray, group_size: int, audio_window: int, seq_len: int,
+                 excluded: frozenset[str]) -> tuple[Layout, frozenset[str], tuple]:
+    """What the read-ahead thread makes of a window: its layout and the rank's samples cut into
+    pieces (`_cut_window`), with the exclusions they were cut for."""
+    layout = read_layout(paths, group_size, audio_window)
+    return layout, excluded, _cut_window(layout, paths, index, seq_len, excluded)
+
+
 _EMPTY = np.zeros(0, dtype=np.int64)
 # no window: `plan_rows` only packs what pends (the passes are read)
 _NO_SAMPLES = _FileWindow(0, 0, 0, -1, None, _EMPTY, _EMPTY, _EMPTY, _EMPTY, np.zeros(1, dtype=np.int64), _EMPTY,
@@ -456,6 +479,7 @@ class TokenStream:
         # after the last batch handed out (what `state` reports while batches are queued)
         self._queued: deque[tuple[dict[str, np.ndarray], StreamMark]] = deque()
         self._consumed: StreamMark | None = None
+        self._queued_rows = 0  # rows per batch of those queued
         self.state = state or StreamState()
 
     # -- sample access ------------------------------------------------------------------
@@ -516,26 +540,18 @@ class TokenStream:
         self._drop_cache()
         paths, index = self._window_rows(order, w)  # index: rank-local cursor order -> sample of the layout
         if self._ahead is not None and self._ahead[0] == (epoch, w):
-            layout, self._ahead = self._ahead[1].result(), None
+            (layout, excluded, cut), self._ahead = self._ahead[1].result(), None
+            if excluded is not self._excluded:  # samples were excluded since it was read
+                cut = _cut_window(layout, paths, index, self.config.seq_len, self._excluded)
         else:
             layout = read_layout(paths, self.group_size, self.config.audio_window, parallel=True)  # shared
+            cut = _cut_window(layout, paths, index, self.config.seq_len, self._excluded)
         self._read_ahead(epoch, w)
         g0 = order.window_starts[w]
         first = -(-(g0 - self.rank) // self.world)  # the window's first rank-local cursor
-        lengths = np.diff(layout.offsets)[index]
-        status = np.zeros(len(index), dtype=np.int64)
-        if self._excluded:
-            ids = read_sample_ids(paths, index)
-            status[[k for k, sample_id in enumerate(ids) if sample_id in self._excluded]] = 2
-        # pieces: a sample that fits a row is one; a longer one is cut outside its media, or skipped
-        piece_ptr, piece_start, piece_stop = cut_samples(lengths, index, layout.media_offsets,
-                                                         layout.media.reshape(-1, 2), self.config.seq_len, status)
         src, self._next_src = self._next_src, self._next_src + 1
         self._sources[src] = layout
-        self._cache = _FileWindow(epoch, first, first + len(index), src, layout, index,
-                                  layout.offsets[index], layout.ends_row[index].astype(np.int64),
-                                  status, piece_ptr, piece_start, piece_stop,
-                                  int(np.diff(piece_ptr).max(initial=1)))
+        self._cache = _FileWindow(epoch, first, first + len(index), src, layout, index, *cut)
         return self._cache
 
     def _window_rows(self, order: EpochOrder, w: int) -> tuple[list[str], np.ndarray]:
@@ -554,8 +570,10 @@ class TokenStream:
         if not self.config.read_ahead or (self.passes and nxt[0] >= self.passes) or (
                 self._ahead is not None and self._ahead[0] == nxt):
             return
-        paths, _ = self._window_rows(self._order_of(nxt[0]), nxt[1])
-        self._ahead = (nxt, _pool("read-ahead", 2).submit(read_layout, paths, self.group_size, self.config.audio_window))
+        paths, index = self._window_rows(self._order_of(nxt[0]), nxt[1])
+        self._ahead = (nxt, _pool("read-ahead", 2).submit(_read_window, paths, index, self.group_size,
+                                                          self.config.audio_window, self.config.seq_len,
+                                                          self._excluded))
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
         """The flat tokens of a rank-local sample."""
@@ -607,7 +625,8 @@ class TokenStream:
             if len(pieces) < need:
                 pieces = np.concatenate([pieces[: row_ptr[made]], np.empty((2 * need, 3), dtype=np.int64)])
             counters[NEXT] = self._cursor
-            at = marks_at[(marks_at > made) & (marks_at <= rows)] - made if len(marks_at) else marks_at
+            at = marks_at if made == 0 and (not len(marks_at) or marks_at[-1] <= rows) else \
+                marks_at[(marks_at > made) & (marks_at <= rows)] - made
             mark_pend = np.empty((len(at), len(self._pend), PEND_COLUMNS), dtype=np.int64)
             mark_counters = np.empty((len(at), COUNTERS), dtype=np.int64)
             n, reason = plan_rows(self._pend, counters, rows - made, self.config.pack_window, self.config.seq_len,
@@ -680,11 +699,13 @@ class TokenStream:
         marked after each batch: `state` is the state after the last batch handed out, and anything
         that changes what comes next (setting the state, `exclude`, `plan`) first rewinds to it, so
         the rows and the states are those of planning one batch at a time."""
+        queued = self._queued
         while True:
-            if not self._queued or len(self._queued[0][0]["fill_ratio"]) != batch_size:
+            if not queued or self._queued_rows != batch_size:
                 self._unqueue()
                 self._queue(batch_size)
-            batch, self._consumed = self._queued.popleft()
+                self._queued_rows = batch_size
+            batch, self._consumed = queued.popleft()
             yield batch
 
     def _queue(self, batch_size: int) -> None:
