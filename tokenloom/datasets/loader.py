@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tokenloom.datasets.packing import PlannedRows, ahead_batches, gather_planned, interleave_rows
+from tokenloom.datasets.packing import PLAN_GROUPS, PlannedRows, ahead_batches, gather_planned, interleave_rows
 from tokenloom.datasets.planner import REMOVED, SKIPPED
 from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamExhausted, StreamMark, TokenStream
 
@@ -134,6 +134,32 @@ class _ReaderMark(NamedTuple):
     segments: list  # (Segment, TokenStream | None)
     streams: list[StreamMark]  # one per source
     segment_marks: list[StreamMark | None]  # one per segment, None once read to its end
+
+
+class _Written:
+    """Planned rows of consecutive batches (with each row's source, global index and segment),
+    written when the first of those batches is asked for: planning runs further ahead than writing,
+    which keeps a write's positions within the caches (`packing.AHEAD_POSITIONS`)."""
+
+    __slots__ = ("batch_size", "batches", "config", "names", "places", "plan", "segments")
+
+    def __init__(self, plan: PlannedRows, names: list[str], places: np.ndarray, batch_size: int,
+                 config: StreamConfig, segments: np.ndarray | None = None):
+        self.plan, self.names, self.places, self.batch_size, self.config = plan, names, places, batch_size, config
+        self.segments = np.full(len(places), -1, dtype=np.int64) if segments is None else segments
+        self.batches: list[dict] | None = None
+
+    def batch(self, j: int) -> dict:
+        if self.batches is None:
+            rows = gather_planned(*self.plan, self.config.seq_len, max(1, self.config.group_size))
+            self.batches = []
+            for a in range(0, len(self.places), self.batch_size):
+                part = slice(a, a + self.batch_size)
+                view = {key: v[part] for key, v in rows.items()}
+                view["source"], view["row"], view["segment"] = self.names[part], self.places[part], self.segments[part]
+                self.batches.append(view)
+            self.plan = None
+        return self.batches[j]
 
 
 class _LoaderMark(NamedTuple):
@@ -287,9 +313,11 @@ class Loader:
     from, -1 for the sources' own rows).
 
     Batches are planned and written ahead as the stream's are (`TokenStream.batches`): while no
-    followed segment is being read, `ahead_batches` of them at a time, each reader's streams planning
-    their rows in one call that marks their state after every batch. `state`, `skipped` and `removed`
-    are those after the last batch handed out; `follow`, `load` and `next_rows` first rewind to it."""
+    followed segment is being read, `PLAN_GROUPS` x `ahead_batches` of them are planned at a time,
+    each reader's streams planning their rows in one call that marks their state after every batch,
+    and written `ahead_batches` at a time when the first of those is asked for. `state`, `skipped`
+    and `removed` are those after the last batch handed out; `follow`, `load` and `next_rows` first
+    rewind to it, so the rows and states are those of one batch at a time."""
 
     def __init__(self, sources: Sequence[Source], config: StreamConfig, readers: int, rank: int = 0,
                  world_size: int = 1, stage: int = 0, state: LoaderState | None = None):
@@ -307,8 +335,9 @@ class Loader:
         self.own = {c: _Reader(c, readers, sources, config, stage) for c in range(rank, readers, world_size)}
         self.rows = 0
         self.segments: list[Segment] = []
-        self._queued: deque[tuple[dict, _LoaderMark | None]] = deque()
+        self._queued: deque[tuple[tuple[_Written, int], _LoaderMark | None]] = deque()  # (batch j of them, mark)
         self._consumed: _LoaderMark | None = None
+        self._queued_rows = 0  # rows per batch of those queued
         if state is not None:
             self.load(state)
 
@@ -367,12 +396,14 @@ class Loader:
         return out
 
     def batches(self, batch_size: int) -> Iterator[dict]:
+        queued = self._queued
         while True:
-            if not self._queued or len(self._queued[0][0]["row"]) != batch_size:
+            if not queued or self._queued_rows != batch_size:
                 self._unqueue()
                 self._queue(batch_size)
-            batch, self._consumed = self._queued.popleft()
-            yield batch
+                self._queued_rows = batch_size
+            (written, j), self._consumed = queued.popleft()
+            yield written.batch(j)
 
     def _queue(self, batch_size: int) -> None:
         """Plan and write the next batch, or the next `ahead_batches` while no segment is being read
@@ -390,19 +421,20 @@ class Loader:
         parts: dict[int, tuple[PlannedRows, list[int]]] = {}
         for j, (*_, (plan, r)) in enumerate(rows):
             parts.setdefault(id(plan), (plan, [0] * len(plan.row_ptr[1:])))[1][r] = j
-        batch = gather_planned(*interleave_rows([(plan, np.array(at)) for plan, at in parts.values()], len(rows)),
-                               self.config.seq_len, max(1, self.config.group_size))
-        batch["source"] = [s for _, s, _, _ in rows]
-        batch["row"] = np.array([g for g, *_ in rows], dtype=np.int64)
-        batch["segment"] = np.array([seg for _, _, seg, _ in rows], dtype=np.int64)
-        self._queued.append((batch, None))  # handed out at once: no mark needed
+        written = _Written(interleave_rows([(plan, np.array(at)) for plan, at in parts.values()], len(rows)),
+                           [s for _, s, _, _ in rows], np.array([g for g, *_ in rows], dtype=np.int64), batch_size,
+                           self.config, np.array([seg for _, _, seg, _ in rows], dtype=np.int64))
+        self._queued.append(((written, 0), None))  # handed out at once: no mark needed
 
     def _queue_ahead(self, batch_size: int, k: int) -> None:
-        n, rows0 = k * batch_size, self.rows
+        """`PLAN_GROUPS` x k batches planned at once (each reader's streams in one call each), written
+        k at a time when the first of them is asked for."""
+        m = k * PLAN_GROUPS
+        n, rows0 = m * batch_size, self.rows
         places = rows0 + self.rank + self.world * np.arange(n, dtype=np.int64)  # each row's global index
         owner = places % self.readers
-        parts, names, marks = [], [""] * n, [{} for _ in range(k)]
-        batch_ends = np.arange(1, k + 1) * batch_size
+        parts, names, marks = [], [""] * n, [{} for _ in range(m)]
+        batch_ends = np.arange(1, m + 1) * batch_size
         for c, reader in self.own.items():
             rows = np.flatnonzero(owner == c)
             if len(rows) and reader.index + self.readers * reader.rows != places[rows[0]]:
@@ -415,13 +447,15 @@ class Loader:
             for j, mark in enumerate(reader_marks):
                 marks[j][c] = mark
         self.rows = rows0 + n * self.world
-        batch = gather_planned(*interleave_rows(parts, n), self.config.seq_len, max(1, self.config.group_size))
-        no_segment = np.full(batch_size, -1, dtype=np.int64)
-        for j in range(k):
-            part = slice(j * batch_size, (j + 1) * batch_size)
-            view = {key: v[part] for key, v in batch.items()}
-            view["source"], view["row"], view["segment"] = names[part], places[part], no_segment.copy()
-            self._queued.append((view, _LoaderMark(rows0 + (j + 1) * batch_size * self.world, marks[j])))
+        plan = interleave_rows(parts, n)
+        for g in range(PLAN_GROUPS):
+            r0, r1 = g * k * batch_size, (g + 1) * k * batch_size
+            group = _Written(PlannedRows(plan.sources, plan.pieces[plan.row_ptr[r0] : plan.row_ptr[r1]],
+                                         plan.row_ptr[r0 : r1 + 1] - plan.row_ptr[r0]),
+                             names[r0:r1], places[r0:r1], batch_size, self.config)
+            for j in range(k):
+                self._queued.append(((group, j), _LoaderMark(rows0 + (g * k + j + 1) * batch_size * self.world,
+                                                             marks[g * k + j])))
 
     def _unqueue(self) -> None:
         """Drop the batches planned ahead and rewind every reader to the last one handed out."""

@@ -114,6 +114,10 @@ class PlannedRows(NamedTuple):
 # batch costs ~15 us of Python and compiled-call overhead whatever its size, as much as writing
 # ~2,000 positions (bench/RESULTS.md), so small batches are made several at a time.
 AHEAD_POSITIONS = 1 << 14
+# The loader plans this many such writes at a time (its canonical readers' streams each plan their
+# rows in one call): planning runs further ahead than writing, whose positions stay within the
+# caches (a write of 32K positions at once was 1.25x slower, bench/RESULTS.md).
+PLAN_GROUPS = 4
 
 
 def ahead_batches(batch_size: int, seq_len: int) -> int:
