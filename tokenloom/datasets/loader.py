@@ -41,7 +41,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tokenloom.datasets.packing import PLAN_GROUPS, PlannedRows, ahead_batches, gather_planned, interleave_rows
+from tokenloom.datasets.packing import (
+    PLAN_GROUPS,
+    PlannedRows,
+    ahead_batches,
+    gather_planned,
+    interleave_rows,
+)
 from tokenloom.datasets.planner import REMOVED, SKIPPED
 from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamExhausted, StreamMark, TokenStream
 
