@@ -3,8 +3,10 @@ rows is `datasets/planner.py`).
 
 Why compiled. Stated as whole-array numpy, the layout rules cost one pass over every position per
 rule: ~20 passes of int64 arrays per window of files and ~15 per batch of rows, several times what
-reading the same Parquet files costs (bench/bench_packing.py). Here each job is one loop that
-writes every field of a position once. The per-segment and per-piece bookkeeping (a few numbers
+reading the same Parquet files costs (bench/bench_packing.py). Here each job is one compiled
+call that writes every field of a position once, field by field over each run of positions a
+segment and a piece share (plain copies, fills and ramps: a loop that wrote all fields of a
+position at once was 1.3-1.4x slower per position, bench/RESULTS.md). The per-segment and per-piece bookkeeping (a few numbers
 per segment or piece: `layout.py`, `packing.py`) stays in numpy with the callers; these loops
 only expand it to positions.
 
@@ -114,8 +116,8 @@ def expand_pieces(tokens, seg, sample_segments, offsets, pieces, key, dest, doc,
     length) (within one sample), written at dest[p] with document doc[p]. The sample's segments are
     `seg` rows [sample_segments[i], sample_segments[i + 1]), its positions [offsets[i], offsets[i +
     1]); every field and the target of each position is computed here from them (no per-position
-    layout kept): what the segment fixes field by field (`_fields`), the rest position by position,
-    one loop per modality. A position's target is the next position's group of its own segment,
+    layout kept): what the segment fixes (`_fields`), then each field over the positions of the
+    segment within the piece in its own loop (an image a row at a time). A position's target is the next position's group of its own segment,
     except for image rows and a segment's last position (`_label_across`). `segment` gets each
     position's segment index within its sample."""
     for p in range(len(pieces)):
