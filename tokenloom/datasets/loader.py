@@ -262,17 +262,17 @@ class _Reader:
         parts, per_stream = [], []
         for k, stream in enumerate(self.streams):
             mine = np.flatnonzero(drawn == k)
-            by_count = {0: stream.mark()}  # its mark after so many of its rows
-            done = np.searchsorted(mine, ends)  # its rows among the reader's first ends[j]
+            done = np.searchsorted(mine, ends).tolist()  # its rows among the reader's first ends[j]
+            by_count = {0: stream.mark()} if 0 in done else {}  # its mark after so many of its rows
             if len(mine):
-                at, marks = np.unique(done[done > 0]), []
-                parts.append((stream.plan(len(mine), at, marks), mine))
-                by_count.update(zip(at.tolist(), marks, strict=True))
-            per_stream.append([by_count[int(d)] for d in done])
+                at, marks = sorted(set(done) - {0}), []
+                parts.append((stream.plan(len(mine), np.array(at, dtype=np.int64), marks), mine))
+                by_count.update(zip(at, marks, strict=True))
+            per_stream.append([by_count[d] for d in done])
         names = [self.names[k] for k in drawn.tolist()]
-        no_segment = [None] * len(self.segments)
-        marks = [_ReaderMark(self.rows + int(e), list(self.segments), [m[j] for m in per_stream], no_segment)
-                 for j, e in enumerate(ends.tolist())]
+        segments, no_segment = list(self.segments), [None] * len(self.segments)
+        marks = [_ReaderMark(self.rows + e, segments, list(streams), no_segment)
+                 for e, streams in zip(ends.tolist(), zip(*per_stream, strict=True), strict=True)]
         self.rows += count
         return parts, names, marks
 

@@ -94,7 +94,8 @@ def _compact(pend, length, closes, head, n_phys, seq_len):
     for i in range(head, n_phys):
         if length[i] <= seq_len:
             if kept != i:
-                pend[kept, :] = pend[i, :]
+                for col in range(PEND_COLUMNS):
+                    pend[kept, col] = pend[i, col]
                 length[kept], closes[kept] = length[i], closes[i]
             kept += 1
     return kept
@@ -201,7 +202,8 @@ def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, 
             j = 0
             for i in range(head, n_phys):
                 if length[i] <= seq_len:
-                    mark_pend[mark, j, :] = pend[i, :]
+                    for col in range(PEND_COLUMNS):
+                        mark_pend[mark, j, col] = pend[i, col]
                     j += 1
             mark_counters[mark] = counters
             mark_counters[mark, N_PEND] = live

@@ -627,7 +627,10 @@ class TokenStream:
             counters[NEXT] = self._cursor
             at = marks_at if made == 0 and (not len(marks_at) or marks_at[-1] <= rows) else \
                 marks_at[(marks_at > made) & (marks_at <= rows)] - made
-            mark_pend = np.empty((len(at), len(self._pend), PEND_COLUMNS), dtype=np.int64)
+            # pieces pending at a mark: at most those pending now, or a window's refill (pack_window - 1
+            # and one sample's pieces)
+            most = max(int(counters[N_PEND]), self.config.pack_window + window.most_pieces)
+            mark_pend = np.empty((len(at), most, PEND_COLUMNS), dtype=np.int64)
             mark_counters = np.empty((len(at), COUNTERS), dtype=np.int64)
             n, reason = plan_rows(self._pend, counters, rows - made, self.config.pack_window, self.config.seq_len,
                                   refill, self._epoch, window.first, window.src, window.base, window.closes,
