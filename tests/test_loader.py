@@ -321,8 +321,9 @@ def test_batches_planned_ahead_are_those_of_one_batch_at_a_time(tmp_path, monkey
     real_gather = loader_module.gather_planned
     monkeypatch.setattr(loader_module, "gather_planned", lambda *a: gathers.append(1) or real_gather(*a))
 
-    def run(ahead_positions):
+    def run(ahead_positions, plan_groups):
         monkeypatch.setattr(packing, "AHEAD_POSITIONS", ahead_positions)
+        monkeypatch.setattr(packing, "PLAN_GROUPS", plan_groups)
         gathers.clear()
         loaders = _rank_loaders(sources, world)
         its, out = [ld.batches(2) for ld in loaders], []
@@ -338,8 +339,8 @@ def test_batches_planned_ahead_are_those_of_one_batch_at_a_time(tmp_path, monkey
                 out.append((next(it), ld.state().to_dict(), ld.skipped, ld.removed))
         return out, len(gathers)
 
-    plain, plain_gathers = run(1)
-    ahead, ahead_gathers = run(48 * 2 * 4)  # 4 batches at a time
+    plain, plain_gathers = run(1, 1)  # one batch at a time
+    ahead, ahead_gathers = run(48 * 2 * 4, 3)  # 12 batches planned at a time, written 4 at a time
     assert ahead_gathers < plain_gathers * 0.75, "batches were not made ahead"
     assert sum(_marked_count(batch) for batch, *_ in plain) == marked  # the followed rows, once
     for (want, *want_state), (got, *got_state) in zip(plain, ahead, strict=True):

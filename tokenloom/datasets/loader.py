@@ -41,13 +41,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tokenloom.datasets.packing import (
-    PLAN_GROUPS,
-    PlannedRows,
-    ahead_batches,
-    gather_planned,
-    interleave_rows,
-)
+from tokenloom.datasets import packing
+from tokenloom.datasets.packing import PlannedRows, ahead_batches, gather_planned, interleave_rows
 from tokenloom.datasets.planner import REMOVED, SKIPPED
 from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamExhausted, StreamMark, TokenStream
 
@@ -319,7 +314,7 @@ class Loader:
     from, -1 for the sources' own rows).
 
     Batches are planned and written ahead as the stream's are (`TokenStream.batches`): while no
-    followed segment is being read, `PLAN_GROUPS` x `ahead_batches` of them are planned at a time,
+    followed segment is being read, `packing.PLAN_GROUPS` x `ahead_batches` of them are planned at a time,
     each reader's streams planning their rows in one call that marks their state after every batch,
     and written `ahead_batches` at a time when the first of those is asked for. `state`, `skipped`
     and `removed` are those after the last batch handed out; `follow`, `load` and `next_rows` first
@@ -412,15 +407,15 @@ class Loader:
             yield written.batch(j)
 
     def _queue(self, batch_size: int) -> None:
-        """Plan and write the next batch, or the next `ahead_batches` while no segment is being read
-        (see the class docstring). An error planning ahead rewinds and makes one batch the plain way,
-        which raises it when it belongs to that batch."""
-        k = ahead_batches(batch_size, self.config.seq_len)
-        if k > 1 and not any(t is not None for r in self.own.values() for _, t in r.segments):
-            start = {c: r.mark() for c, r in self.own.items()}
+        """Plan the next batches ahead while no segment is being read (see the class docstring), else
+        plan and write the next batch. An error planning ahead rewinds and makes one batch the plain
+        way, which raises it when it belongs to that batch."""
+        if not any(t is not None for r in self.own.values() for _, t in r.segments):
+            start, rows = {c: r.mark() for c, r in self.own.items()}, self.rows
             try:
-                return self._queue_ahead(batch_size, k)
+                return self._queue_ahead(batch_size, ahead_batches(batch_size, self.config.seq_len))
             except Exception:
+                self.rows = rows
                 for c, reader in self.own.items():
                     reader.rewind(start[c])
         rows = self._next_rows(batch_size)
@@ -433,9 +428,10 @@ class Loader:
         self._queued.append(((written, 0), None))  # handed out at once: no mark needed
 
     def _queue_ahead(self, batch_size: int, k: int) -> None:
-        """`PLAN_GROUPS` x k batches planned at once (each reader's streams in one call each), written
-        k at a time when the first of them is asked for."""
-        m = k * PLAN_GROUPS
+        """`packing.PLAN_GROUPS` x k batches planned at once (each reader's streams in one call each),
+        written k at a time when the first of them is asked for."""
+        groups = packing.PLAN_GROUPS
+        m = k * groups
         n, rows0 = m * batch_size, self.rows
         places = rows0 + self.rank + self.world * np.arange(n, dtype=np.int64)  # each row's global index
         owner = places % self.readers
@@ -454,7 +450,7 @@ class Loader:
                 marks[j][c] = mark
         self.rows = rows0 + n * self.world
         plan = interleave_rows(parts, n)
-        for g in range(PLAN_GROUPS):
+        for g in range(groups):
             r0, r1 = g * k * batch_size, (g + 1) * k * batch_size
             group = _Written(PlannedRows(plan.sources, plan.pieces[plan.row_ptr[r0] : plan.row_ptr[r1]],
                                          plan.row_ptr[r0 : r1 + 1] - plan.row_ptr[r0]),
