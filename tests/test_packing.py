@@ -24,7 +24,20 @@ from tokenloom.contract import MODALITY_IDS, PAD_MODALITY
 from tokenloom.datasets import StreamConfig, TokenStream
 from tokenloom.datasets.layout import layout_table
 from tokenloom.datasets.packing import gather
-from tokenloom.datasets.planner import CLOSES, CURSOR, PEND_COLUMNS, PPOS, START, STOP, _cut, _take_row
+from tokenloom.datasets.planner import (
+    CLOSES,
+    COUNTERS,
+    CURSOR,
+    N_PEND,
+    NEXT,
+    PEND_COLUMNS,
+    PPOS,
+    START,
+    STOP,
+    _cut,
+    _take_row,
+    plan_rows,
+)
 from tokenloom.datasets.stream import ROW_ID, EpochOrder, sample_positions
 from tokenloom.model.unified import mask_indices
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
@@ -238,6 +251,46 @@ def test_the_window_takes_the_rows_the_plain_scan_chooses(seed, seq_len, refill)
         taken = {w[0] for w in want}
         pending = [p for p in pending if p[0] not in taken]
         assert pend[:n_pend, CURSOR].tolist() == [p[0] for p in pending]  # the rest, in stream order
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), seq_len=st.integers(4, 64), window=st.integers(1, 48), rows=st.integers(1, 90),
+       room=st.integers(0, 40))
+def test_many_rows_in_one_call_are_those_of_the_plain_scan(seed, seq_len, window, rows, room):
+    """`plan_rows` plans many rows per call, leaving taken pieces in its table (the scans skip them)
+    until 32 gather or the table is full (`room` spare slots): its rows are those of the plain scan
+    over a window refilled one sample at a time before each row, the table it leaves holds the
+    pending pieces in stream order, and each mark (the state after some of its rows) holds the
+    pending pieces and the next sample at that row."""
+    rng = np.random.default_rng(seed)
+    n = 1000  # samples of one piece each, some closing their row
+    lengths, closes = rng.integers(1, seq_len + 1, n), (rng.random(n) < 0.15).astype(np.int64)
+    base = np.r_[0, np.cumsum(lengths)[:-1]]  # each sample's first position in the layout
+    pend, counters = np.zeros((window + 1 + room, PEND_COLUMNS), dtype=np.int64), np.zeros(COUNTERS, dtype=np.int64)
+    out, row_ptr = np.zeros((rows * seq_len, 3), dtype=np.int64), np.zeros(rows + 1, dtype=np.int64)
+    marks_at = np.unique(rng.integers(1, rows + 1, 5))
+    mark_pend = np.zeros((len(marks_at), window + 1, PEND_COLUMNS), dtype=np.int64)
+    mark_counters = np.zeros((len(marks_at), COUNTERS), dtype=np.int64)
+    made, reason = plan_rows(pend, counters, rows, window, seq_len, True, 0, 0, 7, base, closes, np.zeros(n, np.int64),
+                             np.arange(n + 1), np.zeros(n, np.int64), lengths, n, out, row_ptr, marks_at, mark_pend,
+                             mark_counters)
+    assert made == rows
+    pending, pulled = [], 0
+    for r in range(rows):
+        while len(pending) < window:  # the stream's refill: one sample at a time, before each row
+            pending.append(pulled)
+            pulled += 1
+        pick = reference_choose_row([lengths[k] for k in pending], [bool(closes[k]) for k in pending], seq_len)
+        want = [pending[i] for i in pick]
+        got = out[row_ptr[r] : row_ptr[r + 1]]
+        assert got[:, 1].tolist() == base[want].tolist() and got[:, 2].tolist() == lengths[want].tolist()
+        assert (got[:, 0] == 7).all()
+        pending = [k for k in pending if k not in want]
+        m = np.searchsorted(marks_at, r + 1)
+        if m < len(marks_at) and marks_at[m] == r + 1:
+            assert mark_counters[m, N_PEND] == len(pending) and mark_counters[m, NEXT] == pulled
+            assert mark_pend[m, : len(pending), CURSOR].tolist() == pending
+    assert counters[N_PEND] == len(pending) and pend[: len(pending), CURSOR].tolist() == pending
 
 
 def test_a_long_sample_is_cut_as_late_as_the_row_allows_outside_its_media():
