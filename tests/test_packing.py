@@ -25,17 +25,12 @@ from tokenloom.datasets import StreamConfig, TokenStream
 from tokenloom.datasets.layout import layout_table
 from tokenloom.datasets.packing import gather
 from tokenloom.datasets.planner import (
-    CLOSES,
     COUNTERS,
     CURSOR,
     N_PEND,
     NEXT,
     PEND_COLUMNS,
-    PPOS,
-    START,
-    STOP,
     _cut,
-    _take_row,
     plan_rows,
 )
 from tokenloom.datasets.stream import ROW_ID, EpochOrder, sample_positions
@@ -231,26 +226,30 @@ def test_long_sample_is_cut_only_in_text_and_oversized_media_is_skipped_and_coun
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), seq_len=st.integers(4, 64), refill=st.integers(1, 40))
 def test_the_window_takes_the_rows_the_plain_scan_chooses(seed, seq_len, refill):
-    """The compiled row rule (a table of pending pieces in stream order, `planner._take_row`)
-    against the plain scan over the pending pieces, with closing pieces and a window refilled
-    between rows as the stream refills it."""
+    """The compiled row rule (`planner.plan_rows`, one row per call: the table of pending pieces
+    in stream order as it leaves it) against the plain scan over the pending pieces, with closing
+    pieces and a window refilled to `refill` pieces before each row, as the stream refills it."""
     rng = np.random.default_rng(seed)
-    pend, n_pend, pending, age = np.zeros((64, PEND_COLUMNS), dtype=np.int64), 0, [], 0
-    out = np.zeros((64, 3), dtype=np.int64)
+    n = 30 * 40 + 1  # samples of one piece each: more than 30 rows can pull
+    lengths, closes = rng.integers(1, seq_len + 1, n), (rng.random(n) < 0.15).astype(np.int64)
+    pend, counters = np.zeros((64, PEND_COLUMNS), dtype=np.int64), np.zeros(COUNTERS, dtype=np.int64)
+    out, row_ptr, no_marks = np.zeros((64, 3), dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros(0, np.int64)
+    pending, age = [], 0
     for _ in range(30):
         while len(pending) < refill:
-            length, closes = int(rng.integers(1, seq_len + 1)), bool(rng.random() < 0.15)
-            pending.append((age, length, closes))
-            pend[n_pend, CURSOR], pend[n_pend, START], pend[n_pend, STOP] = age, 0, length
-            pend[n_pend, PPOS], pend[n_pend, CLOSES] = age, closes
-            n_pend, age = n_pend + 1, age + 1
+            pending.append((age, int(lengths[age]), bool(closes[age])))
+            age += 1
         want = [pending[k] for k in reference_choose_row([p[1] for p in pending], [p[2] for p in pending], seq_len)]
-        n, n_pend = _take_row(pend, n_pend, seq_len, out, 0)
-        assert out[:n, 2].tolist() == [w[1] for w in want]
-        assert out[:n, 1].tolist() == [w[0] for w in want]  # the very pieces, by position
+        made, _ = plan_rows(pend, counters, 1, refill, seq_len, True, 0, 0, 0, np.arange(n), closes,
+                            np.zeros(n, np.int64), np.arange(n + 1), np.zeros(n, np.int64), lengths, n, out, row_ptr,
+                            no_marks, np.zeros((0, 1, PEND_COLUMNS), np.int64), np.zeros((0, COUNTERS), np.int64))
+        assert made == 1
+        got = out[: row_ptr[1]]
+        assert got[:, 2].tolist() == [w[1] for w in want]
+        assert got[:, 1].tolist() == [w[0] for w in want]  # the very pieces, by position
         taken = {w[0] for w in want}
         pending = [p for p in pending if p[0] not in taken]
-        assert pend[:n_pend, CURSOR].tolist() == [p[0] for p in pending]  # the rest, in stream order
+        assert pend[: counters[N_PEND], CURSOR].tolist() == [p[0] for p in pending]  # the rest, in stream order
 
 
 @settings(max_examples=60, deadline=None)

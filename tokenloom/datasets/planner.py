@@ -12,7 +12,7 @@ most one closing piece, placed last) and the stream's (`datasets/stream.py`: a w
 samples giving no piece packs what pends, or fails when nothing pends). The window is a table of
 pending pieces in stream order, scanned for the best fit (at most `pack_window` plus one sample's
 pieces); tests/layout_reference.py keeps the row rule as a plain scan and tests/test_packing.py
-checks `_take_row` against it.
+checks `plan_rows` against it.
 """
 
 from __future__ import annotations
@@ -99,18 +99,6 @@ def _compact(pend, length, closes, head, n_phys, seq_len):
                 length[kept], closes[kept] = length[i], closes[i]
             kept += 1
     return kept
-
-
-@njit(cache=True, nogil=True)
-def _take_row(pend, n_pend, seq_len, out, n_out):
-    """One row from the pending table pend[:n_pend] (`_pick_row`), the taken pieces dropped from it.
-    Returns (pieces written, pieces left)."""
-    length = np.empty(n_pend, dtype=np.int64)
-    closes = np.empty(n_pend, dtype=np.bool_)
-    for i in range(n_pend):
-        length[i], closes[i] = pend[i, STOP] - pend[i, START], pend[i, CLOSES] != 0
-    n = _pick_row(pend, length, closes, 0, n_pend, seq_len, out, n_out)
-    return n, _compact(pend, length, closes, 0, n_pend, seq_len)
 
 
 # taken pieces stay in `plan_rows`' table (skipped by the scans) until this many have gathered

@@ -607,7 +607,6 @@ class TokenStream:
     def _plan(self, rows: int, marks_at: np.ndarray, marks: list[StreamMark] | None) -> PlannedRows:
         pieces, row_ptr = self._pieces_out, np.zeros(rows + 1, dtype=np.int64)
         made, counters = 0, self._counters
-        sources = self._sources
         while made < rows:
             refill = not (self.passes and self._exhausted())
             per_epoch = 0
@@ -637,9 +636,7 @@ class TokenStream:
                                   window.status, window.piece_ptr, window.piece_start, window.piece_stop,
                                   per_epoch, pieces, row_ptr[made:], at, mark_pend, mark_counters)
             if marks is not None and len(at) and at[0] <= n:
-                if self._sources is not sources or len(sources) != len(self._sources):
-                    sources = dict(self._sources)  # the layouts the marks' pending pieces may name
-                epoch = self._epoch
+                sources, epoch = dict(self._sources), self._epoch  # the layouts the marks' pieces may name
                 marks += [StreamMark(epoch, sources, mark_pend, mark_counters, m)
                           for m in range(int(np.searchsorted(at, n, side="right")))]
             self._cursor = int(counters[NEXT])
