@@ -111,8 +111,8 @@ class PlannedRows(NamedTuple):
 
 
 # Batches are planned and written this many positions at a time, at least (`ahead_batches`): a
-# batch costs ~15 us of Python and compiled-call overhead whatever its size, as much as writing
-# ~2,000 positions (bench/RESULTS.md), so small batches are made several at a time.
+# batch costs ~20 us of Python and compiled-call overhead whatever its size, as much as writing
+# ~3,000 positions (bench/RESULTS.md), so small batches are made several at a time.
 AHEAD_POSITIONS = 1 << 14
 # The loader plans this many such writes at a time (its canonical readers' streams each plan their
 # rows in one call): planning runs further ahead than writing, whose positions stay within the

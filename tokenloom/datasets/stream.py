@@ -44,7 +44,7 @@ window's rows are packed, the next window (the next epoch's first after the last
 laid out in a background thread (`stream.read_ahead`; pyarrow's decoding and the compiled loops
 release the GIL): a layout is a function of its files and rows alone, so the rows are the same
 with it off, and in a long run reading costs the packer almost nothing (bench/RESULTS.md).
-`batches` plans and writes `packing.ahead_batches` batches at a time (a batch costs ~15 us of
+`batches` plans and writes `packing.ahead_batches` batches at a time (a batch costs ~20 us of
 Python and compiled calls whatever its size): one `plan_rows` call marks the planner's state after
 each batch (`StreamMark`), one gather writes them all, and each batch is a view of its share.
 `state` is the state after the last batch handed out, and whatever changes what comes next
