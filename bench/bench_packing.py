@@ -14,11 +14,14 @@ timed as a trainer consumes it (each batch dropped when the next comes) over one
 cold start, over `--epochs` epochs that decode every file again (a long run: the read-ahead
 thread overlaps every window's read but the first), with `stream.read_ahead` off, keeping every
 batch (fresh memory for each), and as the trainer reads it (`datasets.loader.Loader`, 4 canonical
-readers, one epoch from a cold start). Its own reading (Parquet to segment tables, `read_layout`)
-is timed alone beside it. The compiled loops (`datasets/compiled.py`) are loaded once before
-any timing (numba's cache; a one-off per process).
+readers: one epoch from a cold start, and `--epochs` epochs). Its own reading (Parquet to segment
+tables, `read_layout`) is timed alone beside it. Each line runs `--pairs` times, each run beside a
+run of the raw read (this shared machine's speed drifts up to 2x within minutes, and each side's
+best of a few runs could come from different moments): the figure is the median of the pairs'
+ratios, with their range. The compiled loops (`datasets/compiled.py`) are loaded once before any
+timing (numba's cache; a one-off per process).
 
-    .venv/bin/python bench/bench_packing.py [--samples 4000] [--rows 1600] [--epochs 3]
+    .venv/bin/python bench/bench_packing.py [--samples 4000] [--rows 1600] [--epochs 3] [--pairs 7]
 """
 
 from __future__ import annotations
@@ -183,6 +186,19 @@ def steady_rate(files, cfg: StreamConfig, epoch_rows: int, epochs: int) -> float
             c.budget = b
 
 
+def loader_steady_rate(files, cfg: StreamConfig, epoch_rows: int, epochs: int) -> float:
+    """`steady_rate` for the trainer's path (`loader_rate`)."""
+    caches = (stream_module._RECENT, stream_module._LAYOUTS)
+    budgets = [c.budget for c in caches]
+    for c in caches:
+        c.budget = 0
+    try:
+        return loader_rate(files, cfg, epoch_rows * epochs)
+    finally:
+        for c, b in zip(caches, budgets, strict=True):
+            c.budget = b
+
+
 def read_layout_rate(files, cfg: StreamConfig) -> float:
     """tokens/s of the stream's reading alone: each window of files to its layout (segment tables)."""
     order = EpochOrder(files, cfg.seed, 0, cfg.shuffle_window)
@@ -211,6 +227,7 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--rows", type=int, default=1600)
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the long-run line")
+    parser.add_argument("--pairs", type=int, default=7, help="runs of each line, each beside a run of its peer")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         files = demo_like_shards(Path(tmp), args.samples, args.files)
@@ -245,14 +262,28 @@ def main() -> None:
                 ("one epoch, every batch kept (fresh memory for each)",
                  lambda: stream_rate(files, cfg, epoch_rows, keep=True)[1]),
                 ("the trainer's path: Loader, 4 canonical readers, one epoch, cold",
-                 lambda: loader_rate(files, cfg, epoch_rows))):
-            # the machine's speed drifts: each line's peer runs beside it, turn about, best of 3 each
-            rates, raws = zip(*((run(), raw_pyarrow_rate(files)) for _ in range(3)), strict=True)
-            print(f"stream {max(rates) / 1e6:.3f} M tokens/s = {max(rates) / max(raws):.3f}x the raw read "
-                  f"({max(raws) / 1e6:.3f} M, target >= 0.9x): {label}")
-        readings, raws = zip(*((read_layout_rate(files, cfg), raw_pyarrow_rate(files)) for _ in range(3)), strict=True)
-        print(f"of which reading alone (Parquet to segment tables) {max(readings) / 1e6:.3f} M tokens/s = "
-              f"{max(readings) / max(raws):.3f}x the raw read")
+                 lambda: loader_rate(files, cfg, epoch_rows)),
+                (f"the trainer's path, {args.epochs} epochs, every file decoded again each epoch",
+                 lambda: loader_steady_rate(files, cfg, epoch_rows, args.epochs))):
+            rates, raws = paired(run, lambda: raw_pyarrow_rate(files), args.pairs)
+            print(f"stream {np.median(rates) / 1e6:.3f} M tokens/s = {paired_ratio(rates, raws)} the raw read "
+                  f"({np.median(raws) / 1e6:.3f} M, target >= 0.9x): {label}")
+        readings, raws = paired(lambda: read_layout_rate(files, cfg), lambda: raw_pyarrow_rate(files), args.pairs)
+        print(f"of which reading alone (Parquet to segment tables) {np.median(readings) / 1e6:.3f} M tokens/s = "
+              f"{paired_ratio(readings, raws)} the raw read")
+
+
+def paired(run, peer, pairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """`pairs` runs of `run` and of its `peer`, turn about (rates). The machine's speed drifts by
+    up to 2x within minutes (a shared VM): a run is compared with the peer run beside it."""
+    rates, raws = zip(*((run(), peer()) for _ in range(pairs)), strict=True)
+    return np.array(rates), np.array(raws)
+
+
+def paired_ratio(rates: np.ndarray, raws: np.ndarray) -> str:
+    """The median of the pairs' ratios, and their range."""
+    r = rates / raws
+    return f"{np.median(r):.3f}x ({r.min():.2f}-{r.max():.2f} over {len(r)} pairs)"
 
 
 def _samples(files):

@@ -337,3 +337,49 @@ def test_gather_builds_each_row_as_the_plain_assembly(seed, rows):
         for batch in batches:
             for key, value in want.items():
                 np.testing.assert_array_equal(batch[key][r], value, err_msg=key)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), parts=st.integers(1, 5), shared=st.booleans())
+def test_interleaved_rows_are_each_part_row_at_its_place(seed, parts, shared):
+    """The loader joins its readers' plans with `interleave_rows`: row i of a part becomes row at[i],
+    with its pieces as they were (source objects kept, keys made unique across plans); a plan that
+    places a row twice or leaves one out is refused."""
+    from tokenloom.datasets.packing import PlannedRows, interleave_rows
+
+    rng = np.random.default_rng(seed)
+    layouts = [object() for _ in range(3)]
+    sizes = rng.integers(0, 6, parts)
+    sizes[0] += 1  # at least one row
+    rows = int(sizes.sum())
+    places = rng.permutation(rows)
+    plans, want = [], {}
+    for p, (n, at) in enumerate(zip(sizes, np.split(places, np.cumsum(sizes)[:-1]), strict=True)):
+        keys = {10 * p + k: (layouts[0] if shared else layouts[k]) for k in range(1 if shared else 3)}
+        counts = rng.integers(1, 4, n)
+        pieces = np.stack([rng.choice(list(keys), counts.sum()), rng.integers(0, 99, counts.sum()),
+                           rng.integers(1, 9, counts.sum())], axis=1) if n else np.zeros((0, 3), np.int64)
+        lead = int(rng.integers(0, 3))  # a plan's rows may start past pieces of others (a slice of a plan)
+        pieces = np.r_[np.full((lead, 3), 10 * p, dtype=np.int64), pieces.reshape(-1, 3)]
+        row_ptr = lead + np.r_[0, np.cumsum(counts)].astype(np.int64)
+        plans.append((PlannedRows(keys, pieces.astype(np.int64), row_ptr), at))
+        for i, g in enumerate(at.tolist()):
+            want[g] = [(keys[int(s)], int(a), int(b)) for s, a, b in pieces[row_ptr[i] : row_ptr[i + 1]]]
+    got = interleave_rows(plans, rows)
+    assert len(got.row_ptr) == rows + 1
+
+    def source(key):  # one source: the pieces keep their plans' keys (`gather_planned` reads none)
+        return got.sources[key] if len(got.sources) > 1 else next(iter(got.sources.values()))
+
+    for g in range(rows):
+        row = got.pieces[got.row_ptr[g] : got.row_ptr[g + 1]]
+        assert [(source(int(s)), int(a), int(b)) for s, a, b in row] == want[g]
+    assert len({id(v) for v in got.sources.values()}) == len(got.sources)  # one key per source object
+    if rows > 1:
+        twice = [(plan, at.copy()) for plan, at in plans]
+        first = next(at for _, at in twice if len(at))
+        first[0] = (first[0] + 1) % rows  # one row placed twice, another left out
+        with pytest.raises(ValueError, match="every row once"):
+            interleave_rows(twice, rows)
+    with pytest.raises(ValueError, match="every row once"):
+        interleave_rows(plans, rows + 1)

@@ -305,3 +305,37 @@ def test_batches_planned_ahead_are_those_of_one_batch_at_a_time(tmp_path, monkey
         for key in want:  # resumed from inside a chunk: the rows the uninterrupted stream gave
             np.testing.assert_array_equal(want[key], got[key], err_msg=key)
             np.testing.assert_array_equal(want[key], follows[0][key], err_msg=key)
+
+
+def test_marks_of_one_plan_across_windows_name_the_states_of_planning_that_far(tmp_path):
+    """`plan(rows, marks_at, marks)` records the planner after marks_at[m] rows; a plan that reads
+    several windows of files records its marks from several compiled calls. Each mark names (and
+    rewinds to) the state a stream planning exactly that many rows reaches."""
+    from multimodal_data import mixed_samples, write_shard
+
+    from tokenloom.datasets.stream import StreamMarks
+
+    files = [write_shard(tmp_path / f"w{f}.parquet", mixed_samples(seed=f, n=4), [f"w{f}-{k}" for k in range(12)])
+             for f in range(4)]
+    cfg = StreamConfig(seq_len=48, group_size=2, audio_window=4, seed=2, shuffle_window=1, pack_window=4)
+    rows = 60
+    marks_at = np.array([1, 2, 5, 9, 17, 18, 25, 33, rows - 1, rows])
+    stream, marks = TokenStream(files, cfg), StreamMarks()
+    stream.plan(rows, marks_at, marks)
+    assert len(marks) == len(marks_at)
+    end = stream.state_at(marks[-1])
+    assert (end.epoch, end.cursor) > (0, 24), "the plan should read several windows (one file each)"
+    with pytest.raises(IndexError):
+        marks[len(marks_at)]
+    for m, at in enumerate(marks_at.tolist()):
+        fresh = TokenStream(files, cfg)
+        fresh.plan(at)
+        assert stream.state_at(marks[m]) == fresh.state == stream.state_at(marks[m - len(marks_at)])
+    stream.rewind(marks[3])  # back to after 9 rows: the next rows are those after 9 rows
+    fresh = TokenStream(files, cfg)
+    fresh.plan(9)
+    want, got = fresh.plan(7), stream.plan(7)
+    np.testing.assert_array_equal(want.row_ptr, got.row_ptr)
+    assert [(want.sources[int(s)] is got.sources[int(t)], a, b) for (s, a, b), (t, _, _) in
+            zip(want.pieces.tolist(), got.pieces.tolist(), strict=True)] == \
+        [(True, a, b) for _, a, b in want.pieces.tolist()]

@@ -44,7 +44,14 @@ import numpy as np
 from tokenloom.datasets import packing
 from tokenloom.datasets.packing import PlannedRows, ahead_batches, gather_planned, interleave_rows
 from tokenloom.datasets.planner import REMOVED, SKIPPED
-from tokenloom.datasets.stream import ShardFile, StreamConfig, StreamExhausted, StreamMark, TokenStream
+from tokenloom.datasets.stream import (
+    ShardFile,
+    StreamConfig,
+    StreamExhausted,
+    StreamMark,
+    StreamMarks,
+    TokenStream,
+)
 
 __all__ = ["Loader", "LoaderState", "Segment", "Source", "draw_sources", "parse_mix"]
 
@@ -135,6 +142,24 @@ class _ReaderMark(NamedTuple):
     segments: list  # (Segment, TokenStream | None)
     streams: list[StreamMark]  # one per source
     segment_marks: list[StreamMark | None]  # one per segment, None once read to its end
+
+
+class _ReaderBook(NamedTuple):
+    """A reader's marks after each batch of the rows it planned ahead (`_Reader.plan_ahead`), made
+    into `_ReaderMark`s only when asked for: after ends[j] of its rows, stream k stands at its mark
+    before them (none of its rows yet) or at one its plan recorded."""
+
+    rows: int  # the reader's rows before them
+    ends: np.ndarray
+    segments: list
+    streams: list  # per stream: (its mark before, or None; at; the marks its plan recorded; done)
+
+    def mark(self, j: int) -> _ReaderMark:
+        streams = []
+        for before, at, recorded, done in self.streams:
+            d = int(done[j])  # its rows among the reader's first ends[j]
+            streams.append(before if d == 0 else recorded[int(np.searchsorted(at, d))])
+        return _ReaderMark(self.rows + int(self.ends[j]), self.segments, streams, [None] * len(self.segments))
 
 
 class _Written:
@@ -246,30 +271,27 @@ class _Reader:
         self.rows += count
         return out
 
-    def plan_ahead(self, count: int, ends: np.ndarray) -> tuple[list[tuple[PlannedRows, np.ndarray]], list[str],
-                                                              list[_ReaderMark]]:
+    def plan_ahead(self, count: int, ends: np.ndarray) -> tuple[list[tuple[PlannedRows, np.ndarray]], np.ndarray,
+                                                              _ReaderBook]:
         """The reader's next `count` rows at once, no segment being read: each source's stream plans
         its rows in one call (the rows of `count` calls of `next_plan`). Returns the plans with the
-        rows (0..count-1) each gives, the source of every row, and the reader's mark after ends[j]
-        rows for each j (ascending)."""
+        rows (0..count-1) each gives, the source of every row (an index of the sources), and the
+        reader's marks after ends[j] rows for each j (ascending)."""
         drawn = (np.zeros(count, dtype=np.int64) if len(self.streams) == 1 else
                  draw_sources(self.weights, self.config.seed, self.stage, self.index, self.rows + np.arange(count)))
-        parts, per_stream = [], []
+        parts, streams = [], []
         for k, stream in enumerate(self.streams):
-            mine = np.flatnonzero(drawn == k)
-            done = np.searchsorted(mine, ends).tolist()  # its rows among the reader's first ends[j]
-            by_count = {0: stream.mark()} if 0 in done else {}  # its mark after so many of its rows
+            mine = np.arange(count) if len(self.streams) == 1 else np.flatnonzero(drawn == k)
+            done = np.searchsorted(mine, ends)  # its rows among the reader's first ends[j]
+            before = stream.mark() if len(done) and done[0] == 0 else None
+            at = done[(done > 0) & (done != np.r_[0, done[:-1]])]  # (done ascends) the counts marked
+            recorded = StreamMarks()
             if len(mine):
-                at, marks = sorted(set(done) - {0}), []
-                parts.append((stream.plan(len(mine), np.array(at, dtype=np.int64), marks), mine))
-                by_count.update(zip(at, marks, strict=True))
-            per_stream.append([by_count[d] for d in done])
-        names = [self.names[k] for k in drawn.tolist()]
-        segments, no_segment = list(self.segments), [None] * len(self.segments)
-        marks = [_ReaderMark(self.rows + e, segments, list(streams), no_segment)
-                 for e, streams in zip(ends.tolist(), zip(*per_stream, strict=True), strict=True)]
+                parts.append((stream.plan(len(mine), at, recorded), mine))
+            streams.append((before, at, recorded, done))
+        book = _ReaderBook(self.rows, ends, list(self.segments), streams)
         self.rows += count
-        return parts, names, marks
+        return parts, drawn, book
 
     def mark(self) -> _ReaderMark:
         return _ReaderMark(self.rows, list(self.segments), [s.mark() for s in self.streams],
@@ -336,8 +358,9 @@ class Loader:
         self.own = {c: _Reader(c, readers, sources, config, stage) for c in range(rank, readers, world_size)}
         self.rows = 0
         self.segments: list[Segment] = []
-        self._queued: deque[tuple[tuple[_Written, int], _LoaderMark | None]] = deque()  # (batch j of them, mark)
-        self._consumed: _LoaderMark | None = None
+        # (batch j of them, the mark after it: global rows and each reader's marks, batch b of them)
+        self._queued: deque[tuple[tuple[_Written, int], tuple[int, dict[int, _ReaderBook], int] | None]] = deque()
+        self._consumed: tuple[int, dict[int, _ReaderBook], int] | None = None
         self._queued_rows = 0  # rows per batch of those queued
         if state is not None:
             self.load(state)
@@ -434,21 +457,20 @@ class Loader:
         m = k * groups
         n, rows0 = m * batch_size, self.rows
         places = rows0 + self.rank + self.world * np.arange(n, dtype=np.int64)  # each row's global index
-        owner = places % self.readers
-        parts, names, marks = [], [""] * n, [{} for _ in range(m)]
+        parts, drawn, books = [], np.zeros(n, dtype=np.int64), {}
         batch_ends = np.arange(1, m + 1) * batch_size
         for c, reader in self.own.items():
-            rows = np.flatnonzero(owner == c)
+            # the rows reader c makes (place % readers == c): every (readers / world)-th from the first
+            step, off = self.readers // self.world, c - int(places[0])
+            rows = np.arange(off // self.world % step, n, step) if off % self.world == 0 else np.zeros(0, np.int64)
             if len(rows) and reader.index + self.readers * reader.rows != places[rows[0]]:
                 raise RuntimeError(f"reader {reader.index} is at row {reader.rows}, global row {places[rows[0]]} "
                                    "expected")
-            reader_parts, reader_names, reader_marks = reader.plan_ahead(len(rows), np.searchsorted(rows, batch_ends))
+            reader_parts, drawn[rows], books[c] = reader.plan_ahead(len(rows), np.searchsorted(rows, batch_ends))
             parts += [(plan, rows[mine]) for plan, mine in reader_parts]
-            for j, name in zip(rows.tolist(), reader_names, strict=True):
-                names[j] = name
-            for j, mark in enumerate(reader_marks):
-                marks[j][c] = mark
         self.rows = rows0 + n * self.world
+        names = [self.sources[0].name] * n if len(self.sources) == 1 else \
+            [self.sources[i].name for i in drawn.tolist()]
         plan = interleave_rows(parts, n)
         for g in range(groups):
             r0, r1 = g * k * batch_size, (g + 1) * k * batch_size
@@ -456,29 +478,35 @@ class Loader:
                                          plan.row_ptr[r0 : r1 + 1] - plan.row_ptr[r0]),
                              names[r0:r1], places[r0:r1], batch_size, self.config)
             for j in range(k):
-                self._queued.append(((group, j), _LoaderMark(rows0 + (g * k + j + 1) * batch_size * self.world,
-                                                             marks[g * k + j])))
+                b = g * k + j
+                self._queued.append(((group, j), (rows0 + (b + 1) * batch_size * self.world, books, b)))
+
+    def _consumed_mark(self) -> _LoaderMark:
+        """The mark after the last batch handed out (made from the readers' books when asked for)."""
+        rows, books, b = self._consumed
+        return _LoaderMark(rows, {c: book.mark(b) for c, book in books.items()})
 
     def _unqueue(self) -> None:
         """Drop the batches planned ahead and rewind every reader to the last one handed out."""
         if self._queued:
             self._queued.clear()
-            self.rows = self._consumed.rows
+            mark = self._consumed_mark()
+            self.rows = mark.rows
             for c, reader in self.own.items():
-                reader.rewind(self._consumed.readers[c])
+                reader.rewind(mark.readers[c])
 
     @property
     def skipped(self) -> int:
         """Samples this rank's readers skipped because a media segment is longer than a row."""
         if self._queued:
-            return sum(int(m.counters[SKIPPED]) for r in self._consumed.readers.values() for m in r.streams)
+            return sum(int(m.counters[SKIPPED]) for r in self._consumed_mark().readers.values() for m in r.streams)
         return sum(s.state.skipped for r in self.own.values() for s in r.streams)
 
     @property
     def removed(self) -> int:
         """Samples this rank's readers left out because a followed snapshot deleted them."""
         if self._queued:
-            return sum(int(m.counters[REMOVED]) for r in self._consumed.readers.values()
+            return sum(int(m.counters[REMOVED]) for r in self._consumed_mark().readers.values()
                        for m in [*r.streams, *(t for t in r.segment_marks if t is not None)])
         return sum(s.state.removed for r in self.own.values()
                    for s in [*r.streams, *(t for _, t in r.segments if t is not None)])
@@ -487,7 +515,7 @@ class Loader:
         """This rank's view: global rows, its own readers' states, the segments (after the last batch
         handed out)."""
         if self._queued:
-            m = self._consumed
+            m = self._consumed_mark()
             return LoaderState(m.rows, {c: r.state_dict(m.readers[c]) for c, r in self.own.items()},
                                list(self.segments))
         return LoaderState(self.rows, {c: r.state_dict() for c, r in self.own.items()}, list(self.segments))

@@ -47,6 +47,7 @@ import numpy as np
 
 from tokenloom.datasets.compiled import copy_pieces, empty_positions, finish_rows, place_pieces
 from tokenloom.datasets.layout import Layout
+from tokenloom.datasets.planner import interleave_pieces
 
 # a piece of a row: an object holding position arrays (`Layout`, `Positions`) and [start, stop) of them
 Piece = tuple[Any, int, int]
@@ -135,12 +136,9 @@ def interleave_rows(parts: Sequence[tuple[PlannedRows, np.ndarray]], rows: int) 
     single = all(len(plan.sources) == 1 and next(iter(plan.sources.values())) is first for plan, _ in parts)
     sources: dict[int, Any] = {0: first} if single else {}
     key_of: dict[int, int] = {}  # one key per source object: readers share a window's layout
-    counts, at_piece = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
-    tables, offset = [], 0
-    for plan, at in parts:
-        counts[at] = np.diff(plan.row_ptr)
-        at_piece[at] = plan.row_ptr[:-1] + offset
-        pieces = plan.pieces
+    tables = []
+    for plan, _ in parts:
+        pieces = plan.pieces[plan.row_ptr[0] : plan.row_ptr[-1]]
         if not single:  # each plan's keys to new ones, through a lookup
             keys = list(plan.sources)
             lookup = np.zeros(max(keys) + 1, dtype=np.int64)
@@ -151,13 +149,12 @@ def interleave_rows(parts: Sequence[tuple[PlannedRows, np.ndarray]], rows: int) 
                     sources[len(sources)] = obj
                 lookup[k] = key_of[id(obj)]
             pieces = pieces.copy()
-            pieces[:, 0] = lookup[plan.pieces[:, 0]]
+            pieces[:, 0] = lookup[pieces[:, 0]]
         tables.append(pieces)
-        offset += len(pieces)
-    row_ptr = np.zeros(rows + 1, dtype=np.int64)
-    np.cumsum(counts, out=row_ptr[1:])
-    take = np.repeat(at_piece - row_ptr[:-1], counts) + np.arange(row_ptr[-1])
-    return PlannedRows(sources, np.concatenate(tables)[take], row_ptr)
+    pieces, row_ptr = interleave_pieces(np.concatenate(tables), np.concatenate([plan.row_ptr for plan, _ in parts]),
+                                        np.concatenate([at for _, at in parts]).astype(np.int64, copy=False),
+                                        np.array([len(plan.row_ptr) - 1 for plan, _ in parts], dtype=np.int64), rows)
+    return PlannedRows(sources, pieces, row_ptr)
 
 
 def pack_row(samples: Sequence[Any], seq_len: int) -> dict[str, np.ndarray]:

@@ -245,3 +245,37 @@ def cut_samples(lengths, index, media_offsets, media, seq_len, status):
             _cut(lengths[k], media, media_offsets[i], media_offsets[i + 1], seq_len, piece_start, piece_stop,
                  piece_ptr[k], True)
     return piece_ptr, piece_start, piece_stop
+
+
+@njit(cache=True, nogil=True)
+def interleave_pieces(pieces, ptrs, at, part_rows, rows):
+    """Rows planned in parts as one set of `rows` rows (`packing.interleave_rows`): part p's rows are
+    part_rows[p] rows of pieces (its row pointers among `ptrs`, each part's own, one more than its
+    rows; its pieces after the parts before it in `pieces`), its row i going to row at[i] (the
+    parts' `at` one after the other). Returns (pieces, row_ptr) of the rows in order; raises unless
+    every row is placed once."""
+    start = np.full(rows, -1, dtype=np.int64)
+    count = np.zeros(rows, dtype=np.int64)
+    i, p0, off = 0, 0, 0
+    for p in range(len(part_rows)):
+        n = part_rows[p]
+        for r in range(n):
+            d = at[i + r]
+            if d < 0 or d >= rows or start[d] >= 0:
+                raise ValueError("interleaved rows must place every row once")
+            start[d] = off + ptrs[p0 + r] - ptrs[p0]
+            count[d] = ptrs[p0 + r + 1] - ptrs[p0 + r]
+        off += ptrs[p0 + n] - ptrs[p0]
+        p0 += n + 1
+        i += n
+    if i != rows:
+        raise ValueError("interleaved rows must place every row once")
+    row_ptr = np.zeros(rows + 1, dtype=np.int64)
+    for r in range(rows):
+        row_ptr[r + 1] = row_ptr[r] + count[r]
+    out = np.empty((row_ptr[rows], 3), dtype=np.int64)
+    for r in range(rows):
+        s, q = start[r], row_ptr[r]
+        for m in range(count[r]):
+            out[q + m, 0], out[q + m, 1], out[q + m, 2] = pieces[s + m, 0], pieces[s + m, 1], pieces[s + m, 2]
+    return out, row_ptr

@@ -101,7 +101,7 @@ from tokenloom.datasets.planner import (
 )
 
 __all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "SourceSpec", "StreamConfig",
-           "StreamExhausted", "StreamMark", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
+           "StreamExhausted", "StreamMark", "StreamMarks", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
 
 
 class NoSampleFits(ValueError):
@@ -170,6 +170,35 @@ class StreamMark:
     @property
     def pend(self) -> np.ndarray:
         return self._pend[self._i, : self._counters[self._i, N_PEND]]
+
+
+class StreamMarks:
+    """The marks one `TokenStream.plan` call recorded: mark m is the planner after marks_at[m] rows,
+    made into a `StreamMark` only when asked for (`marks[m]`): the loader records one per batch and
+    reader and asks for few (a checkpoint's state, a rewind)."""
+
+    __slots__ = ("_count", "_parts")
+
+    def __init__(self):
+        self._parts: list[tuple[int, int, dict[int, Layout], np.ndarray, np.ndarray]] = []
+        self._count = 0
+
+    def _add(self, epoch: int, sources: dict[int, Layout], pend: np.ndarray, counters: np.ndarray, count: int) -> None:
+        """The first `count` marks of one `plan_rows` call's arrays (`StreamMark`)."""
+        self._parts.append((self._count, epoch, sources, pend, counters))
+        self._count += count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, m: int) -> StreamMark:
+        if not -self._count <= m < self._count:
+            raise IndexError(f"mark {m} of {self._count}")
+        m %= self._count
+        for first, epoch, sources, pend, counters in reversed(self._parts):
+            if m >= first:
+                return StreamMark(epoch, sources, pend, counters, m - first)
+        raise AssertionError("unreachable")
 
 
 class PendingPiece(NamedTuple):
@@ -377,6 +406,30 @@ class EpochOrder:
         self.total = start
 
 
+_ORDERS: OrderedDict = OrderedDict()  # the epoch orders last made (`epoch_order`)
+_ORDERS_KEPT = 16
+_ORDERS_LOCK = threading.Lock()
+
+
+def epoch_order(files: tuple[ShardFile, ...], seed: int, epoch: int, window: int, holdout: float = 0.0,
+                split: str = "train") -> EpochOrder:
+    """`EpochOrder(...)`, shared: the canonical readers of a source (`datasets/loader.py`) each split
+    the same order, which is made once for them (the last 16 made are kept; an order is a pure
+    function of its arguments and is never changed once made)."""
+    key = (files, seed, epoch, window, holdout, split)
+    with _ORDERS_LOCK:
+        order = _ORDERS.get(key)
+        if order is not None:
+            _ORDERS.move_to_end(key)
+            return order
+    order = EpochOrder(files, seed, epoch, window, holdout, split)
+    with _ORDERS_LOCK:
+        _ORDERS[key] = order
+        while len(_ORDERS) > _ORDERS_KEPT:
+            _ORDERS.popitem(last=False)
+    return order
+
+
 @dataclass
 class _FileWindow:
     """A window of files of one epoch laid out (`layout`, all of its samples, shared by the streams
@@ -456,6 +509,7 @@ class TokenStream:
         if config.seq_len < 2:
             raise ValueError(f"stream.seq_len must be at least 2, got {config.seq_len}")
         self.files, self.config, self.rank, self.world = list(files), config, rank, world_size
+        self._files_key = tuple(self.files)
         self.group_size = max(1, config.group_size)
         if config.pack_window < 1:
             raise ValueError(f"stream.pack_window must be at least 1, got {config.pack_window}")
@@ -485,11 +539,11 @@ class TokenStream:
     # -- sample access ------------------------------------------------------------------
     def _order_of(self, epoch: int) -> EpochOrder:
         """Epoch `epoch`'s order (the last two asked for are kept: the current epoch's and the next
-        one's, which the read-ahead needs first)."""
+        one's, which the read-ahead needs first; the streams of one order share it, `epoch_order`)."""
         order = self._orders.get(epoch)
         if order is None:
-            order = EpochOrder(self.files, self.config.seed, epoch, self.config.shuffle_window, self.config.holdout,
-                               self.config.split)
+            order = epoch_order(self._files_key, self.config.seed, epoch, self.config.shuffle_window,
+                                self.config.holdout, self.config.split)
             if order.total < self.world and not self.passes:
                 raise ValueError(f"the {self.config.split} split has {order.total} samples, too few for "
                                  f"{self.world} ranks")
@@ -558,8 +612,9 @@ class TokenStream:
         """Window w's files and the rows of them this rank takes, in the rank's order (indices into
         the files' samples taken together, as the window's layout holds them)."""
         members, perm = order.windows[w]
-        mine = (order.window_starts[w] + np.arange(len(perm))) % self.world == self.rank
-        return [order.files[i].path for i in members], perm[mine]
+        # global samples r, r + W, ...: the window's j-th is global window_starts[w] + j
+        mine = perm[(self.rank - order.window_starts[w]) % self.world :: self.world]
+        return [order.files[i].path for i in members], mine.copy()  # (the order is shared: a copy of its part)
 
     def _read_ahead(self, epoch: int, w: int) -> None:
         """Start reading the window after window w of `epoch` (the next epoch's first after the last)
@@ -594,17 +649,17 @@ class TokenStream:
             self._epoch, self._cursor = self._epoch + 1, 0
         return self._epoch >= self.passes
 
-    def plan(self, rows: int, marks_at: np.ndarray = _NO_MARKS, marks: list[StreamMark] | None = None) -> PlannedRows:
+    def plan(self, rows: int, marks_at: np.ndarray = _NO_MARKS, marks: StreamMarks | None = None) -> PlannedRows:
         """The next `rows` rows as pieces (source id, position, length), row r's at
         pieces[row_ptr[r]:row_ptr[r + 1]], and the layouts they name (`planner.plan_rows` chooses
         them; this feeds it windows of samples, epoch after epoch, and turns its reasons into errors
         and warnings). The keys are the stream's source ids: plans of one stream share them. With
-        `marks`, the planner's state after marks_at[m] rows (ascending, 1 to `rows`) is appended to
-        it as each is reached (`rewind` goes back to one, `state_at` names it)."""
+        `marks`, the planner's state after marks_at[m] rows (ascending, 1 to `rows`) is recorded there
+        as each is reached (`marks[m]`; `rewind` goes back to one, `state_at` names it)."""
         self._unqueue()
         return self._plan(rows, marks_at, marks)
 
-    def _plan(self, rows: int, marks_at: np.ndarray, marks: list[StreamMark] | None) -> PlannedRows:
+    def _plan(self, rows: int, marks_at: np.ndarray, marks: StreamMarks | None) -> PlannedRows:
         pieces, row_ptr = self._pieces_out, np.zeros(rows + 1, dtype=np.int64)
         made, counters = 0, self._counters
         while made < rows:
@@ -637,8 +692,7 @@ class TokenStream:
                                   per_epoch, pieces, row_ptr[made:], at, mark_pend, mark_counters)
             if marks is not None and len(at) and at[0] <= n:
                 sources, epoch = dict(self._sources), self._epoch  # the layouts the marks' pieces may name
-                marks += [StreamMark(epoch, sources, mark_pend, mark_counters, m)
-                          for m in range(int(np.searchsorted(at, n, side="right")))]
+                marks._add(epoch, sources, mark_pend, mark_counters, int(np.searchsorted(at, n, side="right")))
             self._cursor = int(counters[NEXT])
             made += n
             if counters[FIRST_SKIP] >= 0 and not self._warned:
@@ -714,18 +768,18 @@ class TokenStream:
         from the start (the rows are a function of the state) and the error is raised when the batch
         that meets it is asked for, as one batch at a time would."""
         k = ahead_batches(batch_size, self.config.seq_len)
-        start, marks = self.mark(), []
+        start, marks = self.mark(), StreamMarks()
         try:
             plan = self._plan(k * batch_size, np.arange(1, k + 1) * batch_size, marks)
         except Exception:
-            if not marks:
+            if not len(marks):
                 raise
-            k, marks = len(marks), []
+            k, marks = len(marks), StreamMarks()
             self._rewind(start)
             plan = self._plan(k * batch_size, np.arange(1, k + 1) * batch_size, marks)
         batch = gather_planned(*plan, self.config.seq_len, self.group_size)
-        for j, mark in enumerate(marks):
-            self._queued.append(({k: v[j * batch_size : (j + 1) * batch_size] for k, v in batch.items()}, mark))
+        for j in range(len(marks)):
+            self._queued.append(({k: v[j * batch_size : (j + 1) * batch_size] for k, v in batch.items()}, marks[j]))
 
     def _unqueue(self) -> None:
         """Drop the batches planned ahead and rewind the planner to the last one handed out."""
