@@ -338,9 +338,11 @@ class Loader:
     Batches are planned and written ahead as the stream's are (`TokenStream.batches`): while no
     followed segment is being read, `packing.PLAN_GROUPS` x `ahead_batches` of them are planned at a time,
     each reader's streams planning their rows in one call that marks their state after every batch,
-    and written `ahead_batches` at a time when the first of those is asked for. `state`, `skipped`
-    and `removed` are those after the last batch handed out; `follow`, `load` and `next_rows` first
-    rewind to it, so the rows and states are those of one batch at a time."""
+    and written `ahead_batches` at a time when the first of those is asked for. The marks stay the
+    planner's arrays (`StreamMarks`, `_ReaderBook`) until a state is asked for: a trainer asks at
+    its checkpoints and logging steps, not at every batch. `state`, `skipped` and `removed` are
+    those after the last batch handed out; `follow`, `load` and `next_rows` first rewind to it, so
+    the rows and states are those of one batch at a time."""
 
     def __init__(self, sources: Sequence[Source], config: StreamConfig, readers: int, rank: int = 0,
                  world_size: int = 1, stage: int = 0, state: LoaderState | None = None):

@@ -46,7 +46,9 @@ release the GIL): a layout is a function of its files and rows alone, so the row
 with it off, and in a long run reading costs the packer almost nothing (bench/RESULTS.md).
 `batches` plans and writes `packing.ahead_batches` batches at a time (a batch costs ~20 us of
 Python and compiled calls whatever its size): one `plan_rows` call marks the planner's state after
-each batch (`StreamMark`), one gather writes them all, and each batch is a view of its share.
+each batch (`StreamMarks`, a `StreamMark` each when asked for), one gather writes them all, and
+each batch is a view of its share. The epoch orders are shared (`epoch_order`): the canonical
+readers of a source split one order.
 `state` is the state after the last batch handed out, and whatever changes what comes next
 (setting the state, `exclude`, `plan`) first rewinds to it, so the rows and the states are those
 of planning one batch at a time.
