@@ -70,6 +70,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -103,7 +104,8 @@ from tokenloom.datasets.planner import (
 )
 
 __all__ = ["PAD_ID", "ROW_ID", "EpochOrder", "PendingPiece", "Positions", "ShardFile", "SourceSpec", "StreamConfig",
-           "StreamExhausted", "StreamMark", "StreamMarks", "StreamState", "TokenStream", "held_out", "pack_row", "sample_positions"]
+           "StreamExhausted", "StreamMark", "StreamMarks", "StreamState", "TokenStream", "epoch_order", "held_out",
+           "pack_row", "sample_positions"]
 
 
 class NoSampleFits(ValueError):
@@ -408,27 +410,21 @@ class EpochOrder:
         self.total = start
 
 
-_ORDERS: OrderedDict = OrderedDict()  # the epoch orders last made (`epoch_order`)
-_ORDERS_KEPT = 16
+_ORDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the orders streams hold (`epoch_order`)
 _ORDERS_LOCK = threading.Lock()
 
 
 def epoch_order(files: tuple[ShardFile, ...], seed: int, epoch: int, window: int, holdout: float = 0.0,
                 split: str = "train") -> EpochOrder:
     """`EpochOrder(...)`, shared: the canonical readers of a source (`datasets/loader.py`) each split
-    the same order, which is made once for them (the last 16 made are kept; an order is a pure
-    function of its arguments and is never changed once made)."""
+    the same order, which is made once for them. An order is kept while a stream holds it (each
+    holds its current epoch's and the next one's; an order is a pure function of its arguments and
+    is never changed once made)."""
     key = (files, seed, epoch, window, holdout, split)
     with _ORDERS_LOCK:
         order = _ORDERS.get(key)
-        if order is not None:
-            _ORDERS.move_to_end(key)
-            return order
-    order = EpochOrder(files, seed, epoch, window, holdout, split)
-    with _ORDERS_LOCK:
-        _ORDERS[key] = order
-        while len(_ORDERS) > _ORDERS_KEPT:
-            _ORDERS.popitem(last=False)
+        if order is None:
+            order = _ORDERS[key] = EpochOrder(files, seed, epoch, window, holdout, split)
     return order
 
 
