@@ -251,24 +251,15 @@ class _Reader:
         return self.names[k], -1, (self.streams[k].plan(1), 0)
 
     def next_plans(self, count: int) -> list[tuple[str, int, tuple[PlannedRows, int]]]:
-        """`next_plan` for the next `count` rows: each source's stream plans its rows in one call
-        (the rows are those of `count` calls of `next_plan`: a row's source is drawn from its place,
-        and each stream is asked in the same order). Row by row while a segment is being read."""
+        """`next_plan` for the next `count` rows: row by row while a segment is being read, else
+        `plan_ahead` (each source's stream plans its rows in one call; the same rows)."""
         if any(stream is not None for _, stream in self.segments):
             return [self.next_plan() for _ in range(count)]
-        if len(self.streams) == 1:  # nothing to draw
-            plan = self.streams[0].plan(count)
-            self.rows += count
-            return [(self.names[0], -1, (plan, r)) for r in range(count)]
-        rows = np.arange(self.rows, self.rows + count)
-        drawn = draw_sources(self.weights, self.config.seed, self.stage, self.index, rows)
+        parts, drawn, _ = self.plan_ahead(count, np.array([count]))
         out: list = [None] * count
-        for k in np.unique(drawn).tolist():
-            at = np.flatnonzero(drawn == k).tolist()
-            plan = self.streams[k].plan(len(at))
-            for r, i in enumerate(at):
-                out[i] = (self.names[k], -1, (plan, r))
-        self.rows += count
+        for plan, mine in parts:
+            for r, i in enumerate(mine.tolist()):
+                out[i] = (self.names[int(drawn[i])], -1, (plan, r))
         return out
 
     def plan_ahead(self, count: int, ends: np.ndarray) -> tuple[list[tuple[PlannedRows, np.ndarray]], np.ndarray,
@@ -341,8 +332,8 @@ class Loader:
     and written `ahead_batches` at a time when the first of those is asked for. The marks stay the
     planner's arrays (`StreamMarks`, `_ReaderBook`) until a state is asked for: a trainer asks at
     its checkpoints and logging steps, not at every batch. `state`, `skipped` and `removed` are
-    those after the last batch handed out; `follow`, `load` and `next_rows` first rewind to it, so
-    the rows and states are those of one batch at a time."""
+    those after the last batch handed out; `follow` and `load` first rewind to it, so the rows and
+    states are those of one batch at a time."""
 
     def __init__(self, sources: Sequence[Source], config: StreamConfig, readers: int, rank: int = 0,
                  world_size: int = 1, stage: int = 0, state: LoaderState | None = None):
@@ -399,13 +390,9 @@ class Loader:
             for segment, seg_state in zip(self.segments, old.readers[c]["segments"], strict=True):
                 reader.add(segment, seg_state)
 
-    def next_rows(self, count: int) -> list[tuple[int, str, int, tuple[PlannedRows, int]]]:
+    def _next_rows(self, count: int) -> list[tuple[int, str, int, tuple[PlannedRows, int]]]:
         """This rank's share of the next `count` x world global rows: (global row, source, segment, the
         row: row r of a plan). Each reader plans its share in one call (readers are independent)."""
-        self._unqueue()
-        return self._next_rows(count)
-
-    def _next_rows(self, count: int) -> list[tuple[int, str, int, tuple[PlannedRows, int]]]:
         places = [self.rows + self.rank + self.world * j for j in range(count)]
         mine: dict[int, list[int]] = {}
         for j, g in enumerate(places):

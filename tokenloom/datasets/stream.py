@@ -506,8 +506,7 @@ class TokenStream:
             raise ValueError("the validation split needs stream.holdout > 0")
         if config.seq_len < 2:
             raise ValueError(f"stream.seq_len must be at least 2, got {config.seq_len}")
-        self.files, self.config, self.rank, self.world = list(files), config, rank, world_size
-        self._files_key = tuple(self.files)
+        self.files, self.config, self.rank, self.world = tuple(files), config, rank, world_size
         self.group_size = max(1, config.group_size)
         if config.pack_window < 1:
             raise ValueError(f"stream.pack_window must be at least 1, got {config.pack_window}")
@@ -540,7 +539,7 @@ class TokenStream:
         one's, which the read-ahead needs first; the streams of one order share it, `epoch_order`)."""
         order = self._orders.get(epoch)
         if order is None:
-            order = epoch_order(self._files_key, self.config.seed, epoch, self.config.shuffle_window,
+            order = epoch_order(self.files, self.config.seed, epoch, self.config.shuffle_window,
                                 self.config.holdout, self.config.split)
             if order.total < self.world and not self.passes:
                 raise ValueError(f"the {self.config.split} split has {order.total} samples, too few for "
