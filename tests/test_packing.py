@@ -31,6 +31,7 @@ from tokenloom.datasets.planner import (
     NEXT,
     PEND_COLUMNS,
     _cut,
+    pending_at,
     plan_rows,
 )
 from tokenloom.datasets.stream import ROW_ID, EpochOrder, sample_positions
@@ -242,7 +243,8 @@ def test_the_window_takes_the_rows_the_plain_scan_chooses(seed, seq_len, refill)
         want = [pending[k] for k in reference_choose_row([p[1] for p in pending], [p[2] for p in pending], seq_len)]
         made, _ = plan_rows(pend, counters, 1, refill, seq_len, True, 0, 0, 0, np.arange(n), closes,
                             np.zeros(n, np.int64), np.arange(n + 1), np.zeros(n, np.int64), lengths, n, out, row_ptr,
-                            no_marks, np.zeros((0, 1, PEND_COLUMNS), np.int64), np.zeros((0, COUNTERS), np.int64))
+                            no_marks, np.zeros((0, PEND_COLUMNS), np.int64), no_marks, no_marks,
+                            np.zeros((0, COUNTERS), np.int64))
         assert made == 1
         got = out[: row_ptr[1]]
         assert got[:, 2].tolist() == [w[1] for w in want]
@@ -259,8 +261,8 @@ def test_many_rows_in_one_call_are_those_of_the_plain_scan(seed, seq_len, window
     """`plan_rows` plans many rows per call, leaving taken pieces in its table (the scans skip them)
     until 32 gather or the table is full (`room` spare slots): its rows are those of the plain scan
     over a window refilled one sample at a time before each row, the table it leaves holds the
-    pending pieces in stream order, and each mark (the state after some of its rows) holds the
-    pending pieces and the next sample at that row."""
+    pending pieces in stream order, and each mark (the state after some of its rows) names the
+    pending pieces (picked from the call's log) and the next sample at that row."""
     rng = np.random.default_rng(seed)
     n = 1000  # samples of one piece each, some closing their row
     lengths, closes = rng.integers(1, seq_len + 1, n), (rng.random(n) < 0.15).astype(np.int64)
@@ -268,11 +270,12 @@ def test_many_rows_in_one_call_are_those_of_the_plain_scan(seed, seq_len, window
     pend, counters = np.zeros((window + 1 + room, PEND_COLUMNS), dtype=np.int64), np.zeros(COUNTERS, dtype=np.int64)
     out, row_ptr = np.zeros((rows * seq_len, 3), dtype=np.int64), np.zeros(rows + 1, dtype=np.int64)
     marks_at = np.unique(rng.integers(1, rows + 1, 5))
-    mark_pend = np.zeros((len(marks_at), window + 1, PEND_COLUMNS), dtype=np.int64)
+    log = np.zeros((len(out) + len(pend), PEND_COLUMNS), dtype=np.int64)  # what the stream gives it
+    taken, mark_log = np.zeros(len(log), dtype=np.int64), np.zeros(len(marks_at), dtype=np.int64)
     mark_counters = np.zeros((len(marks_at), COUNTERS), dtype=np.int64)
     made, reason = plan_rows(pend, counters, rows, window, seq_len, True, 0, 0, 7, base, closes, np.zeros(n, np.int64),
-                             np.arange(n + 1), np.zeros(n, np.int64), lengths, n, out, row_ptr, marks_at, mark_pend,
-                             mark_counters)
+                             np.arange(n + 1), np.zeros(n, np.int64), lengths, n, out, row_ptr, marks_at, log, taken,
+                             mark_log, mark_counters)
     assert made == rows
     pending, pulled = [], 0
     for r in range(rows):
@@ -288,7 +291,7 @@ def test_many_rows_in_one_call_are_those_of_the_plain_scan(seed, seq_len, window
         m = np.searchsorted(marks_at, r + 1)
         if m < len(marks_at) and marks_at[m] == r + 1:
             assert mark_counters[m, N_PEND] == len(pending) and mark_counters[m, NEXT] == pulled
-            assert mark_pend[m, : len(pending), CURSOR].tolist() == pending
+            assert pending_at(log, taken, mark_log[m], r + 1)[:, CURSOR].tolist() == pending
     assert counters[N_PEND] == len(pending) and pend[: len(pending), CURSOR].tolist() == pending
 
 

@@ -273,9 +273,12 @@ class _Reader:
         parts, streams = [], []
         for k, stream in enumerate(self.streams):
             mine = np.arange(count) if len(self.streams) == 1 else np.flatnonzero(drawn == k)
-            done = np.searchsorted(mine, ends)  # its rows among the reader's first ends[j]
+            # its rows among the reader's first ends[j] (all of them with one stream: ends <= count)
+            done = ends if len(self.streams) == 1 else np.searchsorted(mine, ends)
             before = stream.mark() if len(done) and done[0] == 0 else None
-            at = done[(done > 0) & (done != np.r_[0, done[:-1]])]  # (done ascends) the counts marked
+            marked = done > 0  # (done ascends) the counts marked, each once
+            marked[1:] &= done[1:] != done[:-1]
+            at = done[marked]
             recorded = StreamMarks()
             if len(mine):
                 parts.append((stream.plan(len(mine), at, recorded), mine))

@@ -32,7 +32,7 @@ DONE, NEED_SAMPLES, NOTHING_LEFT, NOTHING_FITS = range(4)
 
 
 @njit(cache=True, nogil=True)
-def _pick_row(pend, length, closes, head, n_phys, seq_len, out, n_out):
+def _pick_row(pend, length, closes, head, n_phys, seq_len, out, n_out, logged, taken, row):
     """The next row from the pending pieces (`packing.py`'s rule: the oldest first, then the largest
     that fits, the oldest among equals, at most one closing piece, placed last), written to
     out[n_out:] as (source, position, length). Returns the pieces written.
@@ -41,7 +41,9 @@ def _pick_row(pend, length, closes, head, n_phys, seq_len, out, n_out):
     closes its row alongside (contiguous, for the scans); a piece no longer pending (taken) has a
     length of seq_len + 1, so it never fits, and so do the pieces this takes. Each pick scans the
     lengths; a piece exactly as long as the room left is the pick as soon as the scan meets it:
-    none is longer, none of that length is older."""
+    none is longer, none of that length is older. With a log (`plan_rows`' marks), each piece
+    taken gets taken[logged[i]] = row."""
+    log = len(taken) > 0
     dead = seq_len + 1
     n_chosen, last = 0, -1
     if closes[head]:
@@ -51,6 +53,8 @@ def _pick_row(pend, length, closes, head, n_phys, seq_len, out, n_out):
         n_chosen = 1
     room = seq_len - length[head]
     length[head] = dead
+    if log:
+        taken[logged[head]] = row
     while room > 0:
         best_open, best_close, open_len, close_len = -1, -1, 0, 0
         for i in range(head + 1, n_phys):
@@ -79,6 +83,8 @@ def _pick_row(pend, length, closes, head, n_phys, seq_len, out, n_out):
             out[m, 0], out[m, 1], out[m, 2] = pend[pick, SRC], pend[pick, PPOS], length[pick]
             n_chosen += 1
         length[pick] = dead
+        if log:
+            taken[logged[pick]] = row
     if last >= 0:
         m = n_out + n_chosen
         out[m, 0], out[m, 1], out[m, 2] = pend[last, SRC], pend[last, PPOS], pend[last, STOP] - pend[last, START]
@@ -87,16 +93,16 @@ def _pick_row(pend, length, closes, head, n_phys, seq_len, out, n_out):
 
 
 @njit(cache=True, nogil=True)
-def _compact(pend, length, closes, head, n_phys, seq_len):
-    """Drop the taken pieces from pend[head:n_phys] (and their lengths and closes), keeping stream
-    order, to the front. Returns how many pend."""
+def _compact(pend, length, closes, logged, head, n_phys, seq_len):
+    """Drop the taken pieces from pend[head:n_phys] (and their lengths, closes and log entries),
+    keeping stream order, to the front. Returns how many pend."""
     kept = 0
     for i in range(head, n_phys):
         if length[i] <= seq_len:
             if kept != i:
                 for col in range(PEND_COLUMNS):
                     pend[kept, col] = pend[i, col]
-                length[kept], closes[kept] = length[i], closes[i]
+                length[kept], closes[kept], logged[kept] = length[i], closes[i], logged[i]
             kept += 1
     return kept
 
@@ -107,8 +113,8 @@ _COMPACT_AFTER = 32
 
 @njit(cache=True, nogil=True)
 def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, src, base, closes, status,
-              piece_ptr, piece_start, piece_stop, samples_per_epoch, out, row_ptr, marks_at, mark_pend,
-              mark_counters):
+              piece_ptr, piece_start, piece_stop, samples_per_epoch, out, row_ptr, marks_at, log, taken,
+              mark_log, mark_counters):
     """Up to `rows` rows: before each, pending pieces are refilled from the window of samples (one
     sample at a time, in cursor order, while fewer than `pack_window` pend), then a row is taken.
 
@@ -122,9 +128,14 @@ def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, 
     plus `pack_window` plus one sample's) is in stream order when this returns; within the call,
     taken pieces are dropped from it every `_COMPACT_AFTER` (`_pick_row` skips them).
 
-    Marks: after marks_at[m] rows (ascending, counted from this call's first), the pending pieces
-    and the counters as they stand go to mark_pend[m] and mark_counters[m] (the caller's record of
-    the state after each batch of rows planned ahead, `TokenStream.batches`).
+    Marks (the caller's record of the state after each batch of rows planned ahead,
+    `TokenStream.batches`): with marks_at (ascending row counts, from this call's first), every
+    piece that pends in the call is logged once, in stream order: log[j] its row of the table,
+    taken[j] the row (of this call) that took it, or `rows` when none did. After marks_at[m] rows
+    the counters as they stand go to mark_counters[m] and the log's length to mark_log[m]: the
+    pieces pending then are those of log[:mark_log[m]] with taken >= marks_at[m] (`pending_at`).
+    A mark costs O(1) whatever the window; the log at most `len(pend)` entries plus those taken
+    (the caller sizes it by `out`).
 
     Returns (rows made, reason): DONE; NEED_SAMPLES (the next cursor is past this window: the caller
     gives the next one and calls again); NOTHING_LEFT (no piece pends and `refill` is off: the
@@ -132,10 +143,18 @@ def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, 
     cap = len(pend)
     length = np.empty(cap, dtype=np.int64)
     pend_closes = np.empty(cap, dtype=np.bool_)
+    logging = len(marks_at) > 0
+    logged = np.empty(cap, dtype=np.int64)  # each table row's log entry (when logging)
+    n_log = 0
     n_phys = live = counters[N_PEND]
     head = 0
     for i in range(n_phys):
         length[i], pend_closes[i] = pend[i, STOP] - pend[i, START], pend[i, CLOSES] != 0
+        if logging:
+            for col in range(PEND_COLUMNS):
+                log[n_log, col] = pend[i, col]
+            taken[n_log], logged[i] = rows, n_log
+            n_log += 1
     made = 0
     mark = 0
     while mark < len(marks_at) and marks_at[mark] <= 0:
@@ -164,12 +183,17 @@ def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, 
                 continue
             counters[EMPTY_RUN] = 0
             if n_phys + piece_ptr[k + 1] - piece_ptr[k] > cap:
-                n_phys, head = _compact(pend, length, pend_closes, head, n_phys, seq_len), 0
+                n_phys, head = _compact(pend, length, pend_closes, logged, head, n_phys, seq_len), 0
             for m in range(piece_ptr[k], piece_ptr[k + 1]):
                 pend[n_phys, EPOCH], pend[n_phys, CURSOR] = epoch, first + k
                 pend[n_phys, START], pend[n_phys, STOP] = piece_start[m], piece_stop[m]
                 pend[n_phys, SRC], pend[n_phys, PPOS], pend[n_phys, CLOSES] = src, base[k] + piece_start[m], closes[k]
                 length[n_phys], pend_closes[n_phys] = piece_stop[m] - piece_start[m], closes[k] != 0
+                if logging:
+                    for col in range(PEND_COLUMNS):
+                        log[n_log, col] = pend[n_phys, col]
+                    taken[n_log], logged[n_phys] = rows, n_log
+                    n_log += 1
                 n_phys += 1
                 live += 1
         if reason != DONE:
@@ -178,25 +202,21 @@ def plan_rows(pend, counters, rows, pack_window, seq_len, refill, epoch, first, 
         if live == 0:
             reason = NOTHING_LEFT
             break
-        n = _pick_row(pend, length, pend_closes, head, n_phys, seq_len, out, row_ptr[made])
+        n = _pick_row(pend, length, pend_closes, head, n_phys, seq_len, out, row_ptr[made], logged,
+                      taken if logging else taken[:0], made)
         live -= n
         while head < n_phys and length[head] > seq_len:
             head += 1
         if n_phys - head - live >= _COMPACT_AFTER:
-            n_phys, head = _compact(pend, length, pend_closes, head, n_phys, seq_len), 0
+            n_phys, head = _compact(pend, length, pend_closes, logged, head, n_phys, seq_len), 0
         row_ptr[made + 1] = row_ptr[made] + n
         made += 1
         if mark < len(marks_at) and marks_at[mark] == made:
-            j = 0
-            for i in range(head, n_phys):
-                if length[i] <= seq_len:
-                    for col in range(PEND_COLUMNS):
-                        mark_pend[mark, j, col] = pend[i, col]
-                    j += 1
             mark_counters[mark] = counters
             mark_counters[mark, N_PEND] = live
+            mark_log[mark] = n_log
             mark += 1
-    counters[N_PEND] = _compact(pend, length, pend_closes, head, n_phys, seq_len)
+    counters[N_PEND] = _compact(pend, length, pend_closes, logged, head, n_phys, seq_len)
     return made, reason
 
 
@@ -279,3 +299,9 @@ def interleave_pieces(pieces, ptrs, at, part_rows, rows):
         for m in range(count[r]):
             out[q + m, 0], out[q + m, 1], out[q + m, 2] = pieces[s + m, 0], pieces[s + m, 1], pieces[s + m, 2]
     return out, row_ptr
+
+
+def pending_at(log: np.ndarray, taken: np.ndarray, n_log: int, rows: int) -> np.ndarray:
+    """The pending pieces (rows of `plan_rows`' table, in stream order) after `rows` rows of a call
+    that logged `log` and `taken`, of which the first `n_log` had pended by then."""
+    return log[:n_log][taken[:n_log] >= rows]

@@ -100,6 +100,7 @@ from tokenloom.datasets.planner import (
     SRC,
     STOP,
     cut_samples,
+    pending_at,
     plan_rows,
 )
 
@@ -152,45 +153,38 @@ class StreamConfig:
 
 class StreamMark:
     """A stream's planner between two rows (`TokenStream.mark`, `plan`'s marks): the next sample to
-    pull (`epoch`, `cursor`), the pending pieces (`pend`, `planner.plan_rows`' table) and its
-    `counters`, and the layouts those pieces come from. `TokenStream.rewind` goes back to it,
-    `state_at` names it as a `StreamState`. Marks recorded by one `plan_rows` call share its arrays
-    (mark i is row i of them), so a batch's mark costs no copy in Python."""
+    pull (`epoch`, `cursor`), the pending pieces (`pend`, rows of `planner.plan_rows`' table) and
+    its `counters`, and the layouts those pieces come from. `TokenStream.rewind` goes back to it,
+    `state_at` names it as a `StreamState`."""
 
-    __slots__ = ("_counters", "_i", "_pend", "epoch", "sources")
+    __slots__ = ("counters", "epoch", "pend", "sources")
 
-    def __init__(self, epoch: int, sources: dict[int, Layout], pend: np.ndarray, counters: np.ndarray, i: int = 0):
-        """`pend` [marks, capacity, PEND_COLUMNS], `counters` [marks, COUNTERS]: this is mark i."""
-        self.epoch, self.sources, self._pend, self._counters, self._i = epoch, sources, pend, counters, i
-
-    @property
-    def counters(self) -> np.ndarray:
-        return self._counters[self._i]
+    def __init__(self, epoch: int, sources: dict[int, Layout], pend: np.ndarray, counters: np.ndarray):
+        self.epoch, self.sources, self.pend, self.counters = epoch, sources, pend, counters
 
     @property
     def cursor(self) -> int:
-        return int(self._counters[self._i, NEXT])
-
-    @property
-    def pend(self) -> np.ndarray:
-        return self._pend[self._i, : self._counters[self._i, N_PEND]]
+        return int(self.counters[NEXT])
 
 
 class StreamMarks:
     """The marks one `TokenStream.plan` call recorded: mark m is the planner after marks_at[m] rows,
     made into a `StreamMark` only when asked for (`marks[m]`): the loader records one per batch and
-    reader and asks for few (a checkpoint's state, a rewind)."""
+    reader and asks for few (a checkpoint's state, a rewind). What a `plan_rows` call recorded is
+    kept as it recorded it: the counters at each mark and its log of the pieces that pended (each
+    with the row that took it), from which a mark's pending pieces are picked when asked for."""
 
     __slots__ = ("_count", "_parts")
 
     def __init__(self):
-        self._parts: list[tuple[int, int, dict[int, Layout], np.ndarray, np.ndarray]] = []
+        self._parts: list[tuple] = []
         self._count = 0
 
-    def _add(self, epoch: int, sources: dict[int, Layout], pend: np.ndarray, counters: np.ndarray, count: int) -> None:
-        """The first `count` marks of one `plan_rows` call's arrays (`StreamMark`)."""
-        self._parts.append((self._count, epoch, sources, pend, counters))
-        self._count += count
+    def _add(self, epoch: int, sources: dict[int, Layout], log: np.ndarray, taken: np.ndarray,
+             mark_log: np.ndarray, counters: np.ndarray, at: np.ndarray) -> None:
+        """The marks of one `plan_rows` call: after at[i] of its rows (`planner.pending_at`)."""
+        self._parts.append((self._count, epoch, sources, log, taken, mark_log, counters, at))
+        self._count += len(at)
 
     def __len__(self) -> int:
         return self._count
@@ -199,9 +193,10 @@ class StreamMarks:
         if not -self._count <= m < self._count:
             raise IndexError(f"mark {m} of {self._count}")
         m %= self._count
-        for first, epoch, sources, pend, counters in reversed(self._parts):
+        for first, epoch, sources, log, taken, mark_log, counters, at in reversed(self._parts):
             if m >= first:
-                return StreamMark(epoch, sources, pend, counters, m - first)
+                i = m - first
+                return StreamMark(epoch, sources, pending_at(log, taken, int(mark_log[i]), int(at[i])), counters[i])
         raise AssertionError("unreachable")
 
 
@@ -480,6 +475,7 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 _NO_SAMPLES = _FileWindow(0, 0, 0, -1, None, _EMPTY, _EMPTY, _EMPTY, _EMPTY, np.zeros(1, dtype=np.int64), _EMPTY,
                           _EMPTY, 0)
 _NO_MARKS = _EMPTY  # `_plan` without marks
+_NO_LOG = (np.zeros((0, PEND_COLUMNS), dtype=np.int64), _EMPTY)  # `plan_rows` without marks: no log
 
 
 class TokenStream:
@@ -519,6 +515,7 @@ class TokenStream:
         # the packing window: pending pieces in stream order (`planner.plan_rows`' table), its counters,
         # and the layouts its pieces come from, by source id
         self._pend = np.zeros((config.pack_window + 16, PEND_COLUMNS), dtype=np.int64)
+        self._log = _NO_LOG  # `plan_rows`' log of the pieces that pend in a call with marks (grown as needed)
         self._counters = np.zeros(COUNTERS, dtype=np.int64)
         self._sources: dict[int, Layout] = {}
         self._pieces_out = np.empty((0, 3), dtype=np.int64)  # `plan`'s pieces, reused from call to call
@@ -528,8 +525,8 @@ class TokenStream:
         self._warned = False  # one warning per stream about skipped samples; the count says the rest
         # `batches`' rows planned and written ahead: (batch, the planner's mark after it), and the mark
         # after the last batch handed out (what `state` reports while batches are queued)
-        self._queued: deque[tuple[dict[str, np.ndarray], StreamMark]] = deque()
-        self._consumed: StreamMark | None = None
+        self._queued: deque[tuple[dict[str, np.ndarray], tuple[StreamMarks, int]]] = deque()
+        self._consumed: tuple[StreamMarks, int] | None = None  # (marks, m): mark m of them, made when asked for
         self._queued_rows = 0  # rows per batch of those queued
         self.state = state or StreamState()
 
@@ -678,18 +675,23 @@ class TokenStream:
             counters[NEXT] = self._cursor
             at = marks_at if made == 0 and (not len(marks_at) or marks_at[-1] <= rows) else \
                 marks_at[(marks_at > made) & (marks_at <= rows)] - made
-            # pieces pending at a mark: at most those pending now, or a window's refill (pack_window - 1
-            # and one sample's pieces)
-            most = max(int(counters[N_PEND]), self.config.pack_window + window.most_pieces)
-            mark_pend = np.empty((len(at), most, PEND_COLUMNS), dtype=np.int64)
-            mark_counters = np.empty((len(at), COUNTERS), dtype=np.int64)
+            log, taken = _NO_LOG
+            if len(at):  # the log holds every piece that pends in the call: the pending at most, and those taken
+                size = len(pieces) - int(row_ptr[made]) + len(self._pend)
+                if len(self._log[1]) < size:
+                    self._log = (np.empty((2 * size, PEND_COLUMNS), dtype=np.int64), np.empty(2 * size, dtype=np.int64))
+                log, taken = self._log
+            mark_log, mark_counters = np.empty(len(at), dtype=np.int64), np.empty((len(at), COUNTERS), dtype=np.int64)
             n, reason = plan_rows(self._pend, counters, rows - made, self.config.pack_window, self.config.seq_len,
                                   refill, self._epoch, window.first, window.src, window.base, window.closes,
                                   window.status, window.piece_ptr, window.piece_start, window.piece_stop,
-                                  per_epoch, pieces, row_ptr[made:], at, mark_pend, mark_counters)
+                                  per_epoch, pieces, row_ptr[made:], at, log, taken, mark_log, mark_counters)
             if marks is not None and len(at) and at[0] <= n:
                 sources, epoch = dict(self._sources), self._epoch  # the layouts the marks' pieces may name
-                marks._add(epoch, sources, mark_pend, mark_counters, int(np.searchsorted(at, n, side="right")))
+                count = int(np.searchsorted(at, n, side="right"))
+                logged = int(mark_log[count - 1])  # (the buffer is the next call's: the part the marks read, copied)
+                marks._add(epoch, sources, log[:logged].copy(), taken[:logged].copy(), mark_log[:count],
+                           mark_counters[:count], at[:count])
             self._cursor = int(counters[NEXT])
             made += n
             if counters[FIRST_SKIP] >= 0 and not self._warned:
@@ -776,19 +778,24 @@ class TokenStream:
             plan = self._plan(k * batch_size, np.arange(1, k + 1) * batch_size, marks)
         batch = gather_planned(*plan, self.config.seq_len, self.group_size)
         for j in range(len(marks)):
-            self._queued.append(({k: v[j * batch_size : (j + 1) * batch_size] for k, v in batch.items()}, marks[j]))
+            self._queued.append(({k: v[j * batch_size : (j + 1) * batch_size] for k, v in batch.items()}, (marks, j)))
+
+    def _consumed_mark(self) -> StreamMark:
+        """The planner's mark after the last batch handed out (made when asked for)."""
+        marks, m = self._consumed
+        return marks[m]
 
     def _unqueue(self) -> None:
         """Drop the batches planned ahead and rewind the planner to the last one handed out."""
         if self._queued:
             self._queued.clear()
-            self._rewind(self._consumed)
+            self._rewind(self._consumed_mark())
 
     def mark(self) -> StreamMark:
-        """The planner's state as it stands (copies of the pending table and counters: a few KB)."""
-        counters = self._counters[None].copy()
-        counters[0, NEXT] = self._cursor  # (the counter is the planner's copy, set at each call)
-        return StreamMark(self._epoch, dict(self._sources), self._pend[None, : counters[0, N_PEND]].copy(), counters)
+        """The planner's state as it stands (copies of the pending pieces and counters: a few KB)."""
+        counters = self._counters.copy()
+        counters[NEXT] = self._cursor  # (the counter is the planner's copy, set at each call)
+        return StreamMark(self._epoch, dict(self._sources), self._pend[: counters[N_PEND]].copy(), counters)
 
     def rewind(self, mark: StreamMark) -> None:
         """Back to a mark of this stream's planner (`mark`, `plan`'s marks); batches made ahead are
@@ -819,7 +826,7 @@ class TokenStream:
     @property
     def state(self) -> StreamState:
         """The state after the last row handed out (batches planned ahead are not counted)."""
-        return self.state_at(self._consumed if self._queued else self.mark())
+        return self.state_at(self._consumed_mark() if self._queued else self.mark())
 
     @state.setter
     def state(self, state: StreamState) -> None:
