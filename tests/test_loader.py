@@ -6,6 +6,7 @@ bookkeeping.
 """
 
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -303,6 +304,44 @@ def test_the_canonical_readers_decode_each_file_once(tmp_path, monkeypatch):
     rewritten = _files(tmp_path, n_files=4, per_file=12, seed=6)  # same paths, other samples
     after = [_crc(next(Loader([Source("m", tuple(rewritten))], cfg, readers=4).batches(4)), i) for i in range(4)]
     assert len(reads) > len(files) and after != before
+
+
+def test_the_canonical_readers_read_each_window_ahead_once(tmp_path, monkeypatch):
+    """Four readers each read ahead the window after theirs, the same window for all of them: it
+    is read in the background once for all of them (one task per window, not one per reader: each
+    costs the packer a thread hand-off), and the rows are those of reading each window when needed."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenloom.datasets import stream as stream_module
+
+    tasks = []
+    submit = ThreadPoolExecutor.submit
+
+    def recorded(self, fn, /, *args, **kwargs):
+        def run(*a, **k):
+            tasks.append(threading.current_thread().name)
+            return fn(*a, **k)
+        return submit(self, run, *args, **kwargs)
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", recorded)
+    files = _files(tmp_path, n_files=4, per_file=12)
+    cfg = StreamConfig(seq_len=64, group_size=2, audio_window=4, shuffle_window=2)  # 2 windows per epoch
+    rows = {}
+    for ahead in (True, False):
+        stream_module.forget_read_tables()
+        tasks.clear()
+        loader = Loader([Source("m", tuple(files))], replace(cfg, read_ahead=ahead), readers=4)
+        batches = loader.batches(4)
+        rows[ahead] = [_crc(next(batches), i) for _ in range(30) for i in range(4)]
+        epochs = max(r["sources"]["m"]["epoch"] for r in loader.state().readers.values())
+        ahead_tasks = sum(name.startswith("tokenloom-read-ahead") for name in tasks)
+        if ahead:
+            # windows reached: 2 per epoch begun, and the next one read ahead
+            assert 1 <= ahead_tasks <= 2 * (epochs + 1) + 1 and epochs >= 1
+        else:
+            assert ahead_tasks == 0
+    assert rows[True] == rows[False]
 
 
 @pytest.mark.parametrize("world", [1, 2])

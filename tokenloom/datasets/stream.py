@@ -39,10 +39,11 @@ order) and written straight from the windows' segment tables (`packing.gather_pl
 Python here runs per batch and per window, not per sample or per row. A window's layout stays in
 memory while pieces of it pend, and the last shards read and windows laid out are kept (up to
 256 MB of each) so that the canonical readers of a source, which read the same windows, decode
-and lay out each file once. While a
-window's rows are packed, the next window (the next epoch's first after the last) is read and
-laid out in a background thread (`stream.read_ahead`; pyarrow's decoding and the compiled loops
-release the GIL): a layout is a function of its files and rows alone, so the rows are the same
+and lay out each file once. While a window's rows are packed, the next window (the next epoch's
+first after the last) is read and laid out in a background thread (`stream.read_ahead`;
+pyarrow's decoding and the compiled loops release the GIL), once for all the streams that ask for
+it (a window in memory is not read again); each stream cuts its own samples of it into pieces
+when it reaches it. A layout is a function of its files and rows alone, so the rows are the same
 with it off, and in a long run reading costs the packer almost nothing (bench/RESULTS.md).
 `batches` plans and writes `packing.ahead_batches` batches at a time (a batch costs ~20 us of
 Python and compiled calls whatever its size): one `plan_rows` call marks the planner's state after
@@ -240,16 +241,50 @@ def read_layout(paths: Sequence[str], group_size: int, audio_window: int, parall
     reader more than laying the whole window out). `parallel`: decode the files in threads, one per
     core (pyarrow releases the GIL), for a caller that waits for them; the read-ahead thread reads
     them one after the other, leaving the other cores to the packer."""
-    files = tuple(_file_key(path) for path in paths)
+    return _read_layout(_layout_key(paths, group_size, audio_window), parallel)
+
+
+def _layout_key(paths: Sequence[str], group_size: int, audio_window: int) -> tuple:
+    """A window's layout as the caches know it: its shards (`_file_key`) and the layout settings."""
+    return tuple(_file_key(path) for path in paths), group_size, audio_window
+
+
+def _read_layout(key: tuple, parallel: bool = False) -> Layout:
+    files, group_size, audio_window = key
 
     def make() -> Layout:
         if parallel and len(files) > 1:
             tables = list(_pool("decode", os.cpu_count() or 1).map(_token_table, files))
         else:
-            tables = [_token_table(key) for key in files]
+            tables = [_token_table(f) for f in files]
         return _layout_of(tables, group_size, audio_window)
 
-    return _LAYOUTS.get((files, group_size, audio_window), make)
+    return _LAYOUTS.get(key, make)
+
+
+def _layout_ahead(paths: Sequence[str], group_size: int, audio_window: int) -> Future:
+    """A window's layout, read in the background ("read-ahead" thread) unless it is in memory: one
+    read per window, whoever asks (the canonical readers of a source each read ahead the same
+    next window; each waiting for a read of its own cost a thread hand-off per reader and window,
+    bench/RESULTS.md). A read under way is shared until it is done; one done is in `_LAYOUTS`."""
+    try:
+        key = _layout_key(paths, group_size, audio_window)
+    except OSError as exc:  # a shard that cannot be read fails the window when it is reached, not before
+        future = Future()
+        future.set_exception(exc)
+        return future
+    pid = os.getpid()
+    with _AHEAD_LOCK:
+        future = _AHEAD.get((pid, key))
+        if future is None:
+            layout = _LAYOUTS.peek(key)
+            if layout is not None:
+                future = Future()
+                future.set_result(layout)
+                return future
+            future = _AHEAD[(pid, key)] = _pool("read-ahead", 2).submit(_read_layout, key)
+            future.add_done_callback(lambda _: _AHEAD.pop((pid, key), None))
+    return future
 
 
 def _layout_of(tables: Sequence[pa.Table], group_size: int, audio_window: int) -> Layout:
@@ -302,6 +337,11 @@ class _Recent:
         pending.set_result(value)
         return value
 
+    def peek(self, key: Any) -> Any:
+        """The value made under `key`, or None (nothing is made)."""
+        with self.lock:
+            return self.values.get(key)
+
     def clear(self) -> None:
         with self.lock:
             self.values.clear()
@@ -342,6 +382,8 @@ def _token_table(key: tuple[str, int, int]) -> pa.Table:
 _RECENT = _Recent(lambda table: table.nbytes)  # decoded shards
 _LAYOUTS = _Recent(lambda layout: layout.nbytes)  # whole windows laid out
 _POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
+_AHEAD: dict[tuple, Future] = {}  # (process, layout key) -> its read under way (`_layout_ahead`)
+_AHEAD_LOCK = threading.Lock()
 
 
 def _pool(name: str, threads: int) -> ThreadPoolExecutor:
@@ -360,6 +402,7 @@ def forget_read_tables() -> None:
     for _, pool in _POOLS.values():
         pool.shutdown(wait=True)
     _POOLS.clear()
+    _AHEAD.clear()
     _RECENT.clear()
     _LAYOUTS.clear()
 
@@ -460,14 +503,6 @@ def _cut_window(layout: Layout, paths: Sequence[str], index: np.ndarray, seq_len
                                                      layout.media.reshape(-1, 2), seq_len, status)
     return (layout.offsets[index], layout.ends_row[index].astype(np.int64), status, piece_ptr, piece_start,
             piece_stop, int(np.diff(piece_ptr).max(initial=1)))
-
-
-def _read_window(paths: Sequence[str], index: np.ndarray, group_size: int, audio_window: int, seq_len: int,
-                 excluded: frozenset[str]) -> tuple[Layout, frozenset[str], tuple]:
-    """What the read-ahead thread makes of a window: its layout and the rank's samples cut into
-    pieces (`_cut_window`), with the exclusions they were cut for."""
-    layout = read_layout(paths, group_size, audio_window)
-    return layout, excluded, _cut_window(layout, paths, index, seq_len, excluded)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -588,12 +623,10 @@ class TokenStream:
         self._drop_cache()
         paths, index = self._window_rows(order, w)  # index: rank-local cursor order -> sample of the layout
         if self._ahead is not None and self._ahead[0] == (epoch, w):
-            (layout, excluded, cut), self._ahead = self._ahead[1].result(), None
-            if excluded is not self._excluded:  # samples were excluded since it was read
-                cut = _cut_window(layout, paths, index, self.config.seq_len, self._excluded)
+            layout, self._ahead = self._ahead[1].result(), None
         else:
             layout = read_layout(paths, self.group_size, self.config.audio_window, parallel=True)  # shared
-            cut = _cut_window(layout, paths, index, self.config.seq_len, self._excluded)
+        cut = _cut_window(layout, paths, index, self.config.seq_len, self._excluded)  # its own samples
         self._read_ahead(epoch, w)
         g0 = order.window_starts[w]
         first = -(-(g0 - self.rank) // self.world)  # the window's first rank-local cursor
@@ -613,16 +646,16 @@ class TokenStream:
     def _read_ahead(self, epoch: int, w: int) -> None:
         """Start reading the window after window w of `epoch` (the next epoch's first after the last)
         in the background, so that the files are decoded and laid out while this one's rows are
-        packed (pyarrow and the compiled loops release the GIL). The layout is the same whenever it
-        is read; only the time it takes moves."""
+        packed (pyarrow and the compiled loops release the GIL); one read per window for all the
+        streams that ask (`_layout_ahead`). The layout is the same whenever it is read; only the time
+        it takes moves. This stream's samples of it are cut into pieces when it reaches it."""
         nxt = (epoch, w + 1) if w + 1 < len(self._order_of(epoch).windows) else (epoch + 1, 0)
         if not self.config.read_ahead or (self.passes and nxt[0] >= self.passes) or (
                 self._ahead is not None and self._ahead[0] == nxt):
             return
-        paths, index = self._window_rows(self._order_of(nxt[0]), nxt[1])
-        self._ahead = (nxt, _pool("read-ahead", 2).submit(_read_window, paths, index, self.group_size,
-                                                          self.config.audio_window, self.config.seq_len,
-                                                          self._excluded))
+        order = self._order_of(nxt[0])
+        paths = [order.files[i].path for i in order.windows[nxt[1]][0]]
+        self._ahead = (nxt, _layout_ahead(paths, self.group_size, self.config.audio_window))
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
         """The flat tokens of a rank-local sample."""
