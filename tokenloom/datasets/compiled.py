@@ -1,5 +1,6 @@
 """The stream's per-position loops, compiled (numba): writing positions into rows (choosing the
-rows is `datasets/planner.py`).
+rows is `datasets/planner.py`), and a window's segment table (`segment_table`, what
+`datasets/layout.py` reads from the shards' columns).
 
 Why compiled. Stated as whole-array numpy, the layout rules cost one pass over every position per
 rule: ~20 passes of int64 arrays per window of files and ~15 per batch of rows, several times what
@@ -283,3 +284,105 @@ def place_pieces(pieces, row_ptr, seq_len):
         if used[r] > seq_len:
             raise ValueError("the pieces of a row do not fit it")
     return dest, doc, used
+
+
+@njit(cache=True, nogil=True)
+def segment_table(sample, mod, start, length, grid0, grid1, att, time, token_offsets, n, group_size, audio_window,
+                  default_attention, tick_ms, window_id):
+    """The segment table of N samples (`layout.py`'s rules, in one pass per segment): segments
+    grouped by sample in sample order, columns as `layout._Segments` holds them. Returns (error,
+    k): error 0 and the table (`SEGMENT_COLUMNS` columns), the samples' first segments [N + 1],
+    their first positions [N + 1], whether each ends its row [N], the first media segment of each
+    sample [N + 1] and every media segment's sample-local [start, stop) [M, 2]; or the first
+    failed check (1: a segment outside its sample, 2: an audio grid that does not match its
+    length, 3: audio levels past `group_size`, 4: an image grid that does not match its length) and
+    the segment that failed it, the checks in that order (the caller words the error). One call
+    that holds no GIL: the read-ahead thread lays a window out without waiting for the packer's
+    thread between steps."""
+    S = len(mod)
+    nothing = np.zeros(0, dtype=np.int64)
+    for k in range(S):  # every segment within its sample (the expansion reads tokens unchecked)
+        media = mod[k] == _IMAGE or mod[k] == _AUDIO
+        sample_len = token_offsets[sample[k] + 1] - token_offsets[sample[k]]
+        if start[k] < 0 or length[k] < 0 or start[k] + length[k] > sample_len or (
+                media and (grid0[k] < 0 or grid1[k] < 0)):
+            return 1, k, np.zeros((0, SEGMENT_COLUMNS), dtype=np.int64), nothing, nothing, \
+                np.zeros(0, dtype=np.bool_), nothing, np.zeros((0, 2), dtype=np.int64)
+    for check in range(2, 5):
+        for k in range(S):
+            if (check == 2 and mod[k] == _AUDIO and grid0[k] * grid1[k] != length[k]) or (
+                    check == 3 and mod[k] == _AUDIO and grid1[k] > group_size) or (
+                    check == 4 and mod[k] == _IMAGE and grid0[k] * grid1[k] != length[k]):
+                return check, k, np.zeros((0, SEGMENT_COLUMNS), dtype=np.int64), nothing, nothing, \
+                    np.zeros(0, dtype=np.bool_), nothing, np.zeros((0, 2), dtype=np.int64)
+    table = np.empty((S, SEGMENT_COLUMNS), dtype=np.int64)
+    sample_segments = np.zeros(n + 1, dtype=np.int64)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    ends_row = np.zeros(n, dtype=np.bool_)
+    media_offsets = np.zeros(n + 1, dtype=np.int64)
+    n_media = 0
+    for k in range(S):
+        sample_segments[sample[k] + 1] += 1
+        if mod[k] == _IMAGE or mod[k] == _AUDIO:
+            media_offsets[sample[k] + 1] += 1
+            n_media += 1
+    for i in range(n):
+        sample_segments[i + 1] += sample_segments[i]
+        media_offsets[i + 1] += media_offsets[i]
+    media = np.empty((n_media, 2), dtype=np.int64)
+    # per segment: positions, coordinate advance, tick; a run of timed segments of one sample is one
+    # video, all at its first position: its last segment advances past its largest coordinate
+    advance = np.empty(S, dtype=np.int64)
+    pos = 0
+    for k in range(S):
+        h, w = grid0[k], grid1[k]
+        if mod[k] == _IMAGE:
+            npos, adv = (h + 1) * w, max(h + 1, w)
+        elif mod[k] == _AUDIO:
+            npos, adv = h, h
+        else:
+            npos, adv = length[k], length[k]
+        tick = time[k] // tick_ms if time[k] >= 0 else 0
+        a = att[k] if att[k] >= 0 else default_attention[mod[k]]
+        table[k, MOD], table[k, POS], table[k, NPOS] = mod[k], pos, npos
+        table[k, TOK] = token_offsets[sample[k]] + start[k]
+        table[k, TICK], table[k, H], table[k, W] = tick, h, w
+        table[k, ATT], table[k, WIN] = a, audio_window if a == window_id else 0
+        advance[k] = adv
+        offsets[sample[k] + 1] += npos
+        pos += npos
+    k = 0
+    while k < S:  # videos: runs of timed segments of one sample
+        if time[k] < 0:
+            k += 1
+            continue
+        stop, span = k, 0
+        while stop < S and time[stop] >= 0 and sample[stop] == sample[k]:
+            tick, npos = table[stop, TICK], table[stop, NPOS]
+            # one past the segment's largest coordinate offset: a frame's rows r <= h and columns c < w
+            # at its tick, audio frames at tick + j
+            extent = max(tick, max(grid0[stop], grid1[stop] - 1)) + 1 if mod[stop] == _IMAGE else tick + npos
+            span = max(span, extent)
+            advance[stop] = 0
+            stop += 1
+        advance[stop - 1] = span
+        k = stop
+    for i in range(n):
+        offsets[i + 1] += offsets[i]
+    # per sample: coordinates and segment indices restart; a windowed segment followed by more of
+    # the sample ends its row; media segments in sample-local positions
+    m = 0
+    for i in range(n):
+        p0, seg0 = 0, 0
+        for k in range(sample_segments[i], sample_segments[i + 1]):
+            table[k, P0], table[k, SEG0] = p0, seg0
+            p0 += advance[k]
+            seg0 += grid0[k] + 1 if mod[k] == _IMAGE else 1
+            npos, win = table[k, NPOS], table[k, WIN]
+            if win > 0 and npos > win and k < sample_segments[i + 1] - 1:
+                ends_row[i] = True
+            if mod[k] == _IMAGE or mod[k] == _AUDIO:
+                local = table[k, POS] - offsets[i]
+                media[m, 0], media[m, 1] = local, local + npos
+                m += 1
+    return 0, -1, table, sample_segments, offsets, ends_row, media_offsets, media

@@ -5,8 +5,10 @@ Why a segment table. The stream reads a window of Parquet files and lays out eve
 time in Python that cost ~30x what reading the files costs; as whole-array numpy over every
 position, ~20 passes of int64 arrays per window, still several times the read. Here a window's
 segments come out of Arrow as columns and every per-segment fact (where its positions, tokens,
-coordinates and segment indices start, its grid, attention and window) is computed with array
-operations over segments, a few numbers each. Positions are written only where they are used,
+coordinates and segment indices start, its grid, attention and window) is computed by one
+compiled pass over segments (`compiled.segment_table`), a few numbers each: as ~40 numpy calls it
+cost the read-ahead thread a wait for the GIL at each call while the packer's thread ran Python
+(bench/RESULTS.md). Positions are written only where they are used,
 by one compiled loop (`datasets/compiled.py`): straight into a packed row, or into one sample's
 `Positions`. Reading a window to its layout now costs what reading the files costs
 (bench/bench_packing.py).
@@ -52,7 +54,7 @@ from tokenloom.datasets.compiled import ROW_ID, empty_positions, expand_pieces
 
 __all__ = ["ROW_ID", "Layout", "Positions", "sample_positions", "layout_table"]
 
-TEXT, IMAGE, AUDIO = MODALITY_IDS["text"], MODALITY_IDS["image"], MODALITY_IDS["audio"]
+TEXT, AUDIO = MODALITY_IDS["text"], MODALITY_IDS["audio"]
 WINDOW = ATTENTION_IDS["window"]
 _DEFAULT_ATTENTION = np.array([ATTENTION_IDS[DEFAULT_ATTENTION[m]] for m in MODALITIES])
 
@@ -233,91 +235,29 @@ def _merge(a: _Segments, b: _Segments) -> _Segments:
     return _Segments(*(np.r_[getattr(a, k), getattr(b, k)][order] for k in _Segments.__dataclass_fields__))
 
 
-def _excl_cumsum_within(values: np.ndarray, first_of_group: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """Exclusive running sum of `values`, restarting at each group's first element."""
-    total = np.cumsum(values) - values
-    return total - total[first_of_group][group]
-
-
 def _layout(tokens: np.ndarray, token_offsets: np.ndarray, seg: _Segments, n: int, group_size: int,
             audio_window: int) -> Layout:
-    G = group_size
-    mod, length, h, w = seg.modality, seg.length, seg.grid0, seg.grid1
-    image, audio = mod == IMAGE, mod == AUDIO
-    _check(seg, image, audio, G, np.diff(token_offsets))
-    S = len(mod)
-    counts = np.bincount(seg.sample, minlength=n)
-    first_seg = np.r_[0, np.cumsum(counts)][:-1]  # each sample's first segment
-    last_seg = first_seg + counts - 1
-    # positions, coordinate advance and segment indices each segment takes
-    npos = np.where(image, (h + 1) * w, np.where(audio, h, length))
-    advance = np.where(image, np.maximum(h + 1, w), npos)
-    tick, advance = _video_clock(seg, image, npos, advance)
-    segs_taken = np.where(image, h + 1, 1)
-    p0 = _excl_cumsum_within(advance, first_seg, seg.sample)
-    seg0 = _excl_cumsum_within(segs_taken, first_seg, seg.sample)
-    attention = np.where(seg.attention >= 0, seg.attention, _DEFAULT_ATTENTION[mod])
-    window = np.where(attention == WINDOW, audio_window, 0)
-    seg_pos = np.r_[0, np.cumsum(npos)]
-    offsets = np.r_[0, np.cumsum(np.bincount(seg.sample, weights=npos, minlength=n))].astype(np.int64)
-    table = np.empty((S, C.SEGMENT_COLUMNS), dtype=np.int64)  # the columns `compiled.expand_pieces` reads
-    table[:, C.MOD], table[:, C.POS], table[:, C.NPOS] = mod, seg_pos[:-1], npos
-    table[:, C.TOK] = token_offsets[seg.sample] + seg.start
-    table[:, C.P0], table[:, C.TICK], table[:, C.SEG0], table[:, C.H], table[:, C.W] = p0, tick, seg0, h, w
-    table[:, C.ATT], table[:, C.WIN] = attention, window
-    # per sample: a windowed segment followed by more of the sample; media segments
-    closes = (window > 0) & (npos > window) & (np.arange(S) < last_seg[seg.sample])
-    ends_row = np.bincount(seg.sample[closes], minlength=n) > 0
-    is_media = image | audio
-    local = seg_pos[:-1] - offsets[seg.sample]
-    media = np.stack([local[is_media], local[is_media] + npos[is_media]], axis=1)
-    media_offsets = np.r_[0, np.cumsum(np.bincount(seg.sample[is_media], minlength=n))]
-    return Layout(table, np.r_[0, np.cumsum(counts)], offsets, ends_row, media_offsets, media, tokens,
-                  token_offsets, group_size=G)
+    error, k, table, sample_segments, offsets, ends_row, media_offsets, media = C.segment_table(
+        seg.sample, seg.modality, seg.start, seg.length, seg.grid0, seg.grid1, seg.attention, seg.time,
+        token_offsets, n, group_size, audio_window, _DEFAULT_ATTENTION, TIME_TICK_MS, WINDOW)
+    if error:
+        _raise(error, k, seg, group_size, np.diff(token_offsets))
+    return Layout(table, sample_segments, offsets, ends_row, media_offsets, media, tokens, token_offsets,
+                  group_size=group_size)
 
 
-def _video_clock(seg: _Segments, image: np.ndarray, npos: np.ndarray, advance: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each segment's tick on its video's clock (0 when untimed) and the coordinate advance with
-    videos folded in: a run of timed segments of one sample is one video, all at its first
-    position; its last segment advances past the video's largest coordinate, the others by 0."""
-    timed = seg.time >= 0
-    if not timed.any():
-        return np.zeros(len(timed), dtype=np.int64), advance
-    tick = np.where(timed, seg.time // TIME_TICK_MS, 0)
-    same = seg.sample[1:] == seg.sample[:-1]
-    prev_timed = np.r_[False, timed[:-1] & same]
-    next_timed = np.r_[timed[1:] & same, False]
-    video = np.cumsum(timed & ~prev_timed) - 1  # the video of each timed segment
-    # one past the segment's largest coordinate offset: a frame's rows r <= h and columns c < w at its
-    # tick, audio frames at tick + j
-    extent = np.where(image, np.maximum(tick, np.maximum(seg.grid0, seg.grid1 - 1)), tick + npos - 1) + 1
-    span = np.zeros(int(video[timed].max()) + 1, dtype=np.int64)
-    np.maximum.at(span, video[timed], extent[timed])
-    advance = np.where(timed, np.where(next_timed, 0, span[np.maximum(video, 0)]), advance)
-    return tick, advance
-
-
-def _check(seg: _Segments, image: np.ndarray, audio: np.ndarray, group_size: int, sample_lengths: np.ndarray) -> None:
-    # the compiled layout reads tokens without bounds checks: every segment must lie in its sample
-    outside = (seg.start < 0) | (seg.length < 0) | (seg.start + seg.length > sample_lengths[seg.sample])
-    outside |= (image | audio) & ((seg.grid0 < 0) | (seg.grid1 < 0))
-    if outside.any():
-        k = int(np.flatnonzero(outside)[0])
+def _raise(error: int, k: int, seg: _Segments, group_size: int, sample_lengths: np.ndarray) -> None:
+    """The error of `compiled.segment_table`'s failed check `error` at segment k, in words."""
+    if error == 1:  # the compiled layout reads tokens without bounds checks: every segment must lie in its sample
         raise ValueError(f"segment [{int(seg.start[k])}, {int(seg.start[k] + seg.length[k])}) grid "
                          f"{[int(seg.grid0[k]), int(seg.grid1[k])]} lies outside its sample's "
                          f"{int(sample_lengths[seg.sample[k]])} tokens")
-    bad_audio = audio & (seg.grid0 * seg.grid1 != seg.length)
-    if bad_audio.any():
-        k = int(np.flatnonzero(bad_audio)[0])
+    if error == 2:
         raise ValueError(f"audio segment grid {[int(seg.grid0[k]), int(seg.grid1[k])]} does not match its length "
                          f"{int(seg.length[k])}")
-    if (audio & (seg.grid1 > group_size)).any():
-        levels = int(seg.grid1[audio].max())
+    if error == 3:
+        levels = int(seg.grid1[seg.modality == AUDIO].max())
         raise ValueError(f"audio frames of {levels} levels do not fit groups of {group_size}; "
                          "set stream.group_size from the vocabulary manifest")
-    bad_image = image & (seg.grid0 * seg.grid1 != seg.length)
-    if bad_image.any():
-        k = int(np.flatnonzero(bad_image)[0])
-        raise ValueError(f"image segment grid {[int(seg.grid0[k]), int(seg.grid1[k])]} does not match its length "
-                         f"{int(seg.length[k])}")
+    raise ValueError(f"image segment grid {[int(seg.grid0[k]), int(seg.grid1[k])]} does not match its length "
+                     f"{int(seg.length[k])}")

@@ -289,15 +289,21 @@ def _layout_ahead(paths: Sequence[str], group_size: int, audio_window: int) -> F
 
 def _layout_of(tables: Sequence[pa.Table], group_size: int, audio_window: int) -> Layout:
     list_type = pa.list_(pa.int32())
-    tokens = pa.chunked_array([c for t in tables for c in t.column("tokens").cast(list_type).chunks], list_type)
+    tokens = pa.chunked_array([c for t in tables for c in _as_type(t.column("tokens"), list_type).chunks], list_type)
     segments = None
     if any("segments" in t.column_names for t in tables):  # files without it (older writers) are all text
         segments_type = pa.list_(SEGMENT_TYPE)  # one type, whatever widths a writer chose
         segments = pa.chunked_array([c for t in tables for c in (
-            t.column("segments").cast(segments_type) if "segments" in t.column_names
+            _as_type(t.column("segments"), segments_type) if "segments" in t.column_names
             else pa.chunked_array([pa.nulls(len(t), segments_type)])
         ).chunks], segments_type)
     return layout_table(tokens, segments, group_size, audio_window)
+
+
+def _as_type(column: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:
+    """`column` as `type_`, cast only when it is not already (each pyarrow call releases the GIL and
+    takes it back: the read-ahead thread then waits for the packer's thread, bench/RESULTS.md)."""
+    return column if column.type == type_ else column.cast(type_)
 
 
 class _Recent:
