@@ -250,41 +250,30 @@ def _layout_key(paths: Sequence[str], group_size: int, audio_window: int) -> tup
 
 
 def _read_layout(key: tuple, parallel: bool = False) -> Layout:
+    return _LAYOUTS.get(key, lambda: _make_layout(key, parallel))
+
+
+def _make_layout(key: tuple, parallel: bool = False) -> Layout:
     files, group_size, audio_window = key
-
-    def make() -> Layout:
-        if parallel and len(files) > 1:
-            tables = list(_pool("decode", os.cpu_count() or 1).map(_token_table, files))
-        else:
-            tables = [_token_table(f) for f in files]
-        return _layout_of(tables, group_size, audio_window)
-
-    return _LAYOUTS.get(key, make)
+    if parallel and len(files) > 1:
+        tables = list(_pool("decode", os.cpu_count() or 1).map(_token_table, files))
+    else:
+        tables = [_token_table(f) for f in files]
+    return _layout_of(tables, group_size, audio_window)
 
 
 def _layout_ahead(paths: Sequence[str], group_size: int, audio_window: int) -> Future:
-    """A window's layout, read in the background ("read-ahead" thread) unless it is in memory: one
-    read per window, whoever asks (the canonical readers of a source each read ahead the same
-    next window; each waiting for a read of its own cost a thread hand-off per reader and window,
-    bench/RESULTS.md). A read under way is shared until it is done; one done is in `_LAYOUTS`."""
+    """A window's layout, read in the background ("read-ahead" thread) unless it is in memory or
+    being read: one read per window, whoever asks (the canonical readers of a source each read
+    ahead the same next window; a task each cost a thread hand-off per reader and window,
+    bench/RESULTS.md)."""
     try:
         key = _layout_key(paths, group_size, audio_window)
     except OSError as exc:  # a shard that cannot be read fails the window when it is reached, not before
         future = Future()
         future.set_exception(exc)
         return future
-    pid = os.getpid()
-    with _AHEAD_LOCK:
-        future = _AHEAD.get((pid, key))
-        if future is None:
-            layout = _LAYOUTS.peek(key)
-            if layout is not None:
-                future = Future()
-                future.set_result(layout)
-                return future
-            future = _AHEAD[(pid, key)] = _pool("read-ahead", 2).submit(_read_layout, key)
-            future.add_done_callback(lambda _: _AHEAD.pop((pid, key), None))
-    return future
+    return _LAYOUTS.ahead(key, lambda: _make_layout(key), _pool("read-ahead", 2))
 
 
 def _layout_of(tables: Sequence[pa.Table], group_size: int, audio_window: int) -> Layout:
@@ -318,35 +307,51 @@ class _Recent:
         self.lock = threading.Lock()
 
     def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        pending, mine = self._claim(key)
+        if mine:
+            self._make(key, make, pending)
+        return pending.result()
+
+    def ahead(self, key: Any, make: Callable[[], Any], pool: ThreadPoolExecutor) -> Future:
+        """`get` in the background: the value's future, made by `pool` unless it is made or being
+        made (then that read is shared)."""
+        pending, mine = self._claim(key)
+        if mine:
+            pool.submit(self._make, key, make, pending)
+        return pending
+
+    def _claim(self, key: Any) -> tuple[Future, bool]:
+        """The future of `key`'s value (done when made) and whether the caller is to make it."""
         with self.lock:
             if key in self.values:
                 self.values.move_to_end(key)
-                return self.values[key]
-            pending, mine = self.reading.get(key), False
-            if pending is None:
-                pending, mine = Future(), True
-                self.reading[key] = pending
-        if not mine:
-            return pending.result()
+                done = Future()
+                done.set_result(self.values[key])
+                return done, False
+            pending = self.reading.get(key)
+            if pending is not None:
+                return pending, False
+            pending = self.reading[key] = Future()
+            return pending, True
+
+    def _make(self, key: Any, make: Callable[[], Any], pending: Future) -> None:
         try:
             value = make()
         except BaseException as exc:
             with self.lock:
                 del self.reading[key]
             pending.set_exception(exc)
-            raise
+            return
         with self.lock:
             del self.reading[key]
             self.values[key] = value
             while len(self.values) > 1 and sum(self.size(v) for v in self.values.values()) > self.budget:
                 self.values.popitem(last=False)
         pending.set_result(value)
-        return value
 
-    def peek(self, key: Any) -> Any:
-        """The value made under `key`, or None (nothing is made)."""
-        with self.lock:
-            return self.values.get(key)
+    def _after_fork(self) -> None:
+        """In a forked child: no thread of the parent's will finish its reads."""
+        self.reading, self.lock = {}, threading.Lock()
 
     def clear(self) -> None:
         with self.lock:
@@ -388,8 +393,8 @@ def _token_table(key: tuple[str, int, int]) -> pa.Table:
 _RECENT = _Recent(lambda table: table.nbytes)  # decoded shards
 _LAYOUTS = _Recent(lambda layout: layout.nbytes)  # whole windows laid out
 _POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
-_AHEAD: dict[tuple, Future] = {}  # (process, layout key) -> its read under way (`_layout_ahead`)
-_AHEAD_LOCK = threading.Lock()
+for _cache in (_RECENT, _LAYOUTS):
+    os.register_at_fork(after_in_child=_cache._after_fork)
 
 
 def _pool(name: str, threads: int) -> ThreadPoolExecutor:
@@ -408,7 +413,6 @@ def forget_read_tables() -> None:
     for _, pool in _POOLS.values():
         pool.shutdown(wait=True)
     _POOLS.clear()
-    _AHEAD.clear()
     _RECENT.clear()
     _LAYOUTS.clear()
 
@@ -456,6 +460,11 @@ class EpochOrder:
 
 _ORDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the orders streams hold (`epoch_order`)
 _ORDERS_LOCK = threading.Lock()
+
+
+def _window_paths(order: EpochOrder, w: int) -> list[str]:
+    """The files of window w of an epoch's order, in the order its layout holds their samples."""
+    return [order.files[i].path for i in order.windows[w][0]]
 
 
 def epoch_order(files: tuple[ShardFile, ...], seed: int, epoch: int, window: int, holdout: float = 0.0,
@@ -644,10 +653,10 @@ class TokenStream:
     def _window_rows(self, order: EpochOrder, w: int) -> tuple[list[str], np.ndarray]:
         """Window w's files and the rows of them this rank takes, in the rank's order (indices into
         the files' samples taken together, as the window's layout holds them)."""
-        members, perm = order.windows[w]
+        perm = order.windows[w][1]
         # global samples r, r + W, ...: the window's j-th is global window_starts[w] + j
         mine = perm[(self.rank - order.window_starts[w]) % self.world :: self.world]
-        return [order.files[i].path for i in members], mine.copy()  # (the order is shared: a copy of its part)
+        return _window_paths(order, w), mine.copy()  # (the order is shared: a copy of its part)
 
     def _read_ahead(self, epoch: int, w: int) -> None:
         """Start reading the window after window w of `epoch` (the next epoch's first after the last)
@@ -659,8 +668,7 @@ class TokenStream:
         if not self.config.read_ahead or (self.passes and nxt[0] >= self.passes) or (
                 self._ahead is not None and self._ahead[0] == nxt):
             return
-        order = self._order_of(nxt[0])
-        paths = [order.files[i].path for i in order.windows[nxt[1]][0]]
+        paths = _window_paths(self._order_of(nxt[0]), nxt[1])
         self._ahead = (nxt, _layout_ahead(paths, self.group_size, self.config.audio_window))
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
