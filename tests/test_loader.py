@@ -101,6 +101,15 @@ def test_a_state_of_other_readers_is_refused(tmp_path):
         Loader(sources, StreamConfig(**{**CFG.__dict__, "readers": 8}), 8, state=state)
     with pytest.raises(ValueError, match="predates canonical readers"):
         LoaderState.from_dict({"epoch": 0, "cursor": 3, "pending": []})
+    loader = Loader(sources, CFG, 8, state=None)  # 8 canonical readers, then resumed with 4 of them
+    batches = loader.batches(4)
+    next(batches)
+    with pytest.raises(ValueError, match=r"readers \[4, 5, 6, 7\], this run has 4"):
+        Loader(sources, CFG, 4, state=loader.state())
+    moved = loader.state()
+    moved.readers[1]["rows"] += 1  # a reader's rows that are not its share of the global rows
+    with pytest.raises(ValueError, match="canonical reader 1 made 2 rows, not its share of the 4 global rows"):
+        Loader(sources, replace(CFG, readers=8), 8, state=moved)
 
 
 def test_mixture_draws_follow_the_weights():

@@ -63,6 +63,44 @@ def test_resume_equals_uninterrupted_per_rank(shard_files, world):
                 np.testing.assert_array_equal(want[key], got[key])
 
 
+
+def _edited(state, **changes):
+    d = state.to_dict()
+    d.update(changes)
+    return d
+
+
+def test_a_state_the_stream_cannot_have_made_is_refused_in_one_line(shard_files):
+    """A checkpoint of other data or settings, or edited by hand: before, a negative cursor made the
+    planner loop forever, a pending piece of a sample not yet pulled read that sample twice, and a
+    sample out of range failed with a bare IndexError."""
+    cfg = StreamConfig(seq_len=16, seed=2, shuffle_window=2)
+    stream = TokenStream(shard_files, cfg, 0, 2)
+    _batches(stream, 3)
+    state = stream.state  # a real one, with pieces pending
+    assert state.pending and state.cursor > 0
+    per_epoch = stream.samples_per_epoch(0)
+    p = state.pending[0]
+    bad = {
+        "cursor -1 (< 0)": _edited(state, cursor=-1),
+        "epoch -2 (< 0)": _edited(state, epoch=-2),
+        "skipped -1 (< 0)": _edited(state, skipped=-1),
+        f"sample {per_epoch + 1} of epoch": _edited(state, cursor=per_epoch + 1),
+        "does not have": _edited(state, pending=[[p.epoch, per_epoch, p.start, p.stop]]),
+        "not yet pulled": _edited(state, pending=[[state.epoch, state.cursor, 0, 1]]),
+        "out of stream order or overlapping": _edited(state, pending=[[p.epoch, p.cursor, p.start, p.stop]] * 2),
+    }
+    for words, d in bad.items():
+        resumed = TokenStream(shard_files, cfg, 0, 2)
+        with pytest.raises(ValueError, match=r"saved for other data or stream settings") as caught:
+            resumed.load_state_dict(d)
+        assert words in str(caught.value) and "\n" not in str(caught.value), (words, caught.value)
+    resumed = TokenStream(shard_files, cfg, 0, 2)
+    resumed.load_state_dict(state.to_dict())  # the real one still loads, and goes on as the stream did
+    for want, got in zip(_batches(stream, 2), _batches(resumed, 2), strict=True):
+        np.testing.assert_array_equal(want["ids"], got["ids"])
+
+
 def _epoch_sample_firsts(files, world):
     """The first token of every sample each rank starts in epoch 0."""
     seen = []

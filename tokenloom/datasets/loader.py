@@ -518,6 +518,16 @@ class Loader:
         if missing:
             raise ValueError(f"the stream state has no state for canonical readers {missing} (it was saved with "
                              f"another stream.readers): resume with the same stream.readers")
+        extra = sorted(c for c in state.readers if not 0 <= c < self.readers)
+        if extra:
+            raise ValueError(f"the stream state has states of canonical readers {extra}, this run has "
+                             f"{self.readers} (it was saved with another stream.readers): resume with the same "
+                             "stream.readers")
+        for c in self.own:
+            made = int(state.readers[c]["rows"])
+            if state.rows < 0 or made != max(0, -(-(state.rows - c) // self.readers)):
+                raise ValueError(f"the stream state's canonical reader {c} made {made} rows, not its share of the "
+                                 f"{state.rows} global rows consumed: the state is not one a loader saved")
         self.rows, self.segments = state.rows, list(state.segments)
         for c, reader in self.own.items():
             reader.load_state_dict(state.readers[c], self.segments)

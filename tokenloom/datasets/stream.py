@@ -878,6 +878,7 @@ class TokenStream:
     @state.setter
     def state(self, state: StreamState) -> None:
         self._queued.clear()
+        self._check_state(state)
         rows = []
         for p in state.pending:
             window = self._window_of(p.epoch, p.cursor)
@@ -894,6 +895,36 @@ class TokenStream:
         self._counters[N_PEND], self._counters[SKIPPED], self._counters[REMOVED] = len(rows), state.skipped, state.removed
         self._counters[FIRST_SKIP] = -1
         self._epoch, self._cursor = state.epoch, state.cursor
+
+    def _check_state(self, state: StreamState) -> None:
+        """Refuse, in one line, a state this stream cannot have made: a checkpoint of other data or
+        settings (a smaller dataset, another split, holdout or number of ranks) or one edited by
+        hand. Such a state would make the planner loop forever (a negative cursor), index outside a
+        window, or read a sample twice (a pending piece of a sample not yet pulled)."""
+        def refuse(what: str) -> None:
+            raise ValueError(f"stream state {what}: it was saved for other data or stream settings")
+
+        for name in ("epoch", "cursor", "skipped", "removed"):
+            if getattr(state, name) < 0:
+                refuse(f"has {name} {getattr(state, name)} (< 0)")
+        if self.passes and state.epoch > self.passes:
+            refuse(f"is at epoch {state.epoch} of a stream of {self.passes} pass(es)")
+        if state.cursor > self.samples_per_epoch(state.epoch):
+            refuse(f"is at sample {state.cursor} of epoch {state.epoch}, which has "
+                   f"{self.samples_per_epoch(state.epoch)} on rank {self.rank} of {self.world}")
+        previous = None
+        for p in state.pending:
+            if p.epoch < 0 or not 0 <= p.cursor < self.samples_per_epoch(p.epoch):
+                refuse(f"has a pending piece of sample {p.cursor} of epoch {p.epoch}, which rank {self.rank} "
+                       f"of {self.world} does not have")
+            if (p.epoch, p.cursor) >= (state.epoch, state.cursor):
+                refuse(f"has a pending piece of sample {p.cursor} of epoch {p.epoch}, not yet pulled at sample "
+                       f"{state.cursor} of epoch {state.epoch}")
+            if previous is not None and (p.epoch, p.cursor, p.start) < (previous.epoch, previous.cursor,
+                                                                         previous.stop):
+                refuse(f"has pending pieces out of stream order or overlapping ({tuple(previous)} then "
+                       f"{tuple(p)})")
+            previous = p
 
     def state_dict(self) -> dict:
         return self.state.to_dict()
