@@ -152,6 +152,29 @@ def _losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in records if "eval" not in r]  # training windows, not evaluations
 
 
+
+def test_a_lock_left_by_a_process_killed_while_loading_the_comm_op_does_not_hang_the_next_start():
+    """torch's lock on DeepSpeed's shm op is a file: a rank killed while it held it (at its start)
+    left it, and every later start waited on it forever. Here with the lock left in the op's build
+    folder (the real one: a copy elsewhere is compiled again, ~30 s), removed after the test
+    whatever happens, so that a failure here does not hang the tests after it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    built = sorted(Path(root).glob("*/deepspeed_shm_comm/*.so"))
+    assert built, "the Makefile builds DeepSpeed's shm op before the tests"
+    lock = built[0].parent / "lock"
+    lock.touch()
+    try:
+        start = subprocess.run([sys.executable, "-m", "tokenloom.trainer.distributed"], capture_output=True, text=True,
+                               timeout=120)
+        assert start.returncode == 0, start.stderr[-2000:]
+        assert not lock.exists()
+        assert "removing" in start.stderr and "killed while it loaded" in start.stderr
+    finally:
+        lock.unlink(missing_ok=True)
+
+
 @pytest.mark.integration
 def test_a_killed_run_resumed_by_name_ends_as_the_uninterrupted_run(docs_home, monkeypatch):
     import torch

@@ -5,14 +5,30 @@ set (rank 0 of 1, a free local port), so `tokenloom train` works the same alone 
 `deepspeed`/`torchrun`. DeepSpeed JIT-compiles a shared-memory op the first time its comm
 layer starts; `prebuild_ops` does that once, up front, because two ranks compiling it at the
 same time can abort.
+
+Every process then loads the op (torch checks it is up to date with ninja, ~1 s) under torch's
+lock, a file in the op's build folder that exists while a process holds it. A process killed while
+holding it (kill -9 or the OOM killer at a rank's start) leaves the file behind, and every later
+load waits for it to go: the next run, the resumed one included, hangs without a word. So our
+processes load the op one at a time under an flock of their own, which the kernel releases when
+its holder dies; under it, a torch lock of the op is one that no process of ours holds, and it is
+removed (with a warning naming it). A process outside TokenLoom building the same op into the same
+cache at that moment would lose its lock: give it its own TORCH_EXTENSIONS_DIR.
 """
 
 from __future__ import annotations
 
+import fcntl
+import glob
+import logging
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -37,15 +53,41 @@ def init_distributed() -> tuple[int, int]:
     rank, _, world = ensure_env()
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        prebuild_ops()  # loaded here, under our lock: DeepSpeed's comm layer finds it loaded
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
     return rank, world
 
 
 def prebuild_ops() -> None:
-    """Compile DeepSpeed's CPU shared-memory comm op into the extension cache, once."""
+    """Compile DeepSpeed's CPU shared-memory comm op into the extension cache (once), and load it,
+    one process at a time (see the module docstring)."""
     from deepspeed.comm.torch import build_shm_op
 
-    build_shm_op()
+    with _ops_lock("deepspeed_shm_comm"):
+        build_shm_op()
+
+
+@contextmanager
+def _ops_lock(op: str) -> Iterator[None]:
+    """Hold our flock on the extension cache and remove the torch lock of `op` that no process of
+    ours holds (the build folder is <cache>/<python and CUDA tag>/<op>, TORCH_EXTENSIONS_DIR or
+    torch's default cache)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "tokenloom-ops.flock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            for stale in glob.glob(os.path.join(glob.escape(root), "*", op, "lock")):
+                log.warning("removing %s, left by a process killed while it loaded DeepSpeed's %s op", stale, op)
+                try:
+                    os.remove(stale)
+                except FileNotFoundError:
+                    pass
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
