@@ -8,6 +8,7 @@ the cross-sample offsets, running sums and target shifts are where a vectorized 
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401  (pa.parquet)
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +16,8 @@ from layout_reference import reference_positions
 from multimodal_data import LAYOUT, MANIFEST
 
 from tokenloom.catalog.schema import SEGMENT_TYPE
-from tokenloom.datasets.layout import layout_table, sample_positions
+from tokenloom.datasets.layout import layout_chunks, layout_table, sample_positions
+from tokenloom.datasets.stream import read_layout
 from tokenloom.tokenizers.sequence import AudioPart, ImagePart, TextPart
 
 GROUP = 3
@@ -43,7 +45,7 @@ def _sample(rng, kind: int):
                     {"modality": "text", "start": 2 + levels * frames, "length": 3, "grid": None, "attention": None}]
         return tokens, segments
     tokens = rng.integers(16, 200, int(rng.integers(1, 20))).astype(np.int32)
-    return tokens, None  # no segments: all text
+    return tokens, (None if kind == 5 else [])  # no segments (null, or an empty list): all text
 
 
 def _check(got, want):
@@ -68,6 +70,68 @@ def test_a_table_of_samples_lays_out_as_each_sample_alone(seed, n, window):
         _check(layout.sample(i), want)
         _check(sample_positions(tokens, segments, GROUP, window), want)
         np.testing.assert_array_equal(layout.sample_tokens(i), tokens)
+
+
+LAYOUT_ARRAYS = ("segments", "sample_segments", "offsets", "ends_row", "media_offsets", "media", "tokens",
+                 "token_offsets")
+
+
+def _plain(segments) -> bool:
+    """A sample in the form shard writers give it (what `layout_chunks` reads from the buffers)."""
+    return bool(segments) and all(s.get("grid") is not None for s in segments)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 25), window=st.integers(1, 8), chunks=st.integers(1, 4))
+def test_chunks_read_from_their_arrow_buffers_lay_out_as_through_pyarrow(seed, n, window, chunks):
+    """Samples of every kind (writers' plain form, explicit attention, none or null where the
+    contract allows it, no segments, an empty segment list), cut into chunks that are slices of one
+    table (offsets that do not start at zero, children shared): the buffers' layout equals
+    `layout_table`'s, array by array, whenever the chunks are plain, and is refused (None) when a
+    chunk is not."""
+    rng = np.random.default_rng(seed)
+    samples = [_sample(rng, int(rng.integers(0, 7))) for _ in range(n)]
+    if rng.random() < 0.7:  # mostly the writers' form (as shards are): a segment each, every grid a list
+        samples = [(t, [{**x, "grid": x.get("grid") or []} for x in s]) for t, s in
+                   (_sample(rng, int(rng.integers(0, 5))) for _ in range(n))]
+    table = pa.table({"tokens": pa.array([t.tolist() for t, _ in samples], pa.list_(pa.int32())),
+                      "segments": pa.array([s for _, s in samples], pa.list_(SEGMENT_TYPE))})
+    cut = int(rng.integers(0, n))
+    bounds = [cut, *sorted(int(b) for b in rng.integers(cut, n + 1, chunks - 1)), n]
+    parts = [table.slice(a, b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    pairs = [(p.column("tokens").chunk(0), p.column("segments").chunk(0)) for p in parts]
+    got = layout_chunks(pairs, GROUP, window)
+    if all(_plain(segments) for _, segments in samples):
+        assert got is not None
+    if not all(_plain(segments) for _, segments in samples[cut:]):
+        assert got is None
+    if got is not None:
+        want = layout_table(pa.chunked_array([t for t, _ in pairs]), pa.chunked_array([s for _, s in pairs]), GROUP,
+                            window)
+        for name in LAYOUT_ARRAYS:
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype, name
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_a_window_that_is_not_plain_is_read_through_pyarrow_with_its_errors(tmp_path):
+    """A shard whose samples are not all in the writers' plain form (here one without segments) is
+    laid out all the same; an unknown modality is the same one-line error either way."""
+    rng = np.random.default_rng(4)
+    samples = [_sample(rng, kind) for kind in (0, 1, 2, 5)]
+    path = tmp_path / "mixed.parquet"
+    pa.parquet.write_table(pa.table({"tokens": pa.array([t.tolist() for t, _ in samples], pa.list_(pa.int32())),
+                                     "segments": pa.array([s for _, s in samples], pa.list_(SEGMENT_TYPE))}), path)
+    layout = read_layout([str(path)], GROUP, 4)
+    for i, (tokens, segments) in enumerate(samples):
+        _check(layout.sample(i), reference_positions(tokens, segments, GROUP, 4))
+    bad = tmp_path / "video.parquet"
+    pa.parquet.write_table(pa.table({"tokens": pa.array([list(range(20, 32))], pa.list_(pa.int32())),
+                                     "segments": pa.array([[{"modality": "video", "start": 0, "length": 12,
+                                                             "grid": [], "attention": None}]],
+                                                          pa.list_(SEGMENT_TYPE))}), bad)
+    with pytest.raises(ValueError, match="unknown segment modality 'video'"):
+        read_layout([str(bad)], 1, 4)
 
 
 def test_a_table_without_segments_is_text():

@@ -28,8 +28,10 @@ predicts (what follows the image).
 
 `Layout` holds N samples' segment table, tokens and offsets; `Layout.sample(i)` writes one sample
 out as `Positions`, `Layout.expand` writes pieces of samples into rows. `layout_table` builds one
-from the shard contract's Arrow columns, `sample_positions` from one sample's tokens and segment
-dicts.
+from the shard contract's Arrow columns, whatever their chunks, widths and nulls;
+`layout_chunks` from chunks in the plain form shard writers give, read from their Arrow buffers
+(numpy views, one compiled call per chunk: what the stream's read-ahead thread uses, as it then
+rarely waits for the GIL); `sample_positions` from one sample's tokens and segment dicts.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.contract import (
     ATTENTION_IDS,
     ATTENTION_KINDS,
@@ -52,7 +55,7 @@ from tokenloom.contract import (
 from tokenloom.datasets import compiled as C
 from tokenloom.datasets.compiled import ROW_ID, empty_positions, expand_pieces
 
-__all__ = ["ROW_ID", "Layout", "Positions", "sample_positions", "layout_table"]
+__all__ = ["ROW_ID", "Layout", "Positions", "layout_chunks", "layout_table", "sample_positions"]
 
 TEXT, AUDIO = MODALITY_IDS["text"], MODALITY_IDS["audio"]
 WINDOW = ATTENTION_IDS["window"]
@@ -196,6 +199,78 @@ def layout_table(tokens: pa.Array | pa.ChunkedArray, segments: pa.Array | pa.Chu
         if (counts == 0).any():  # samples without segments: one text segment over all their tokens
             columns = _merge(columns, _all_text(lengths, np.flatnonzero(counts == 0)))
     return _layout(flat.astype(np.int32, copy=False), token_offsets, columns, n, group_size, audio_window)
+
+
+def layout_chunks(chunks: Sequence[tuple[pa.Array, pa.Array]], group_size: int, audio_window: int) -> Layout | None:
+    """`layout_table` of the samples of (tokens, segments) chunk pairs, in order, read from their
+    Arrow buffers: numpy views of them and one compiled call per chunk (`compiled.segment_columns`)
+    in place of ~30 pyarrow and numpy calls for a window, each of which released the GIL and, in
+    the read-ahead thread, waited to take it back from the packer's thread (bench/RESULTS.md).
+    None unless every chunk is in the plain form shard writers give: the contract's types, no null
+    but in `attention`, every sample with a segment, known names (the caller then reads them with
+    `layout_table`, which handles the rest and words the errors)."""
+    tokens, token_offsets, columns, n, at = [], [np.zeros(1, dtype=np.int64)], [], 0, 0
+    views = []
+    for tc, sc in chunks:
+        if tc.type != _TOKENS_TYPE or sc.type != _SEGMENTS_ARROW_TYPE or len(tc) != len(sc) or tc.null_count \
+                or sc.null_count:
+            return None
+        if not len(tc):
+            continue
+        struct = sc.values
+        if struct.null_count or struct.offset:
+            return None
+        mod, start, length, grid, att = (struct.field(i) for i in range(5))
+        if mod.null_count or start.null_count or length.null_count or grid.null_count or grid.values.null_count:
+            return None
+        offsets = _offsets(tc)
+        tokens.append(_values(tc.values, np.int32)[offsets[0] : offsets[-1]])
+        token_offsets.append(offsets[1:] - offsets[0] + token_offsets[-1][-1])
+        seg = _offsets(sc)
+        views.append((n, seg, _offsets(mod), _bytes(mod), _values(start, np.int32), _values(length, np.int32),
+                      _offsets(grid), _values(grid.values, np.int32), _bits(att), att.offset, _offsets(att),
+                      _bytes(att)))
+        n += len(tc)
+        at += int(seg[-1] - seg[0])
+    columns = _Segments(*(np.empty(at, dtype=np.int64) for _ in range(8)))
+    at = 0
+    for view in views:
+        written = C.segment_columns(*view, _NAMES, _NAME_OFFSETS, len(MODALITIES), at, columns.sample,
+                                    columns.modality, columns.start, columns.length, columns.grid0, columns.grid1,
+                                    columns.attention, columns.time)
+        if written < 0:
+            return None
+        at += written
+    flat = np.concatenate(tokens) if len(tokens) != 1 else tokens[0]
+    return _layout(flat, np.concatenate(token_offsets), columns, n, group_size, audio_window)
+
+
+_TOKENS_TYPE = pa.list_(pa.int32())
+_SEGMENTS_ARROW_TYPE = pa.list_(SEGMENT_TYPE)
+_NAMES = np.frombuffer("".join((*MODALITIES, *ATTENTION_KINDS)).encode(), dtype=np.uint8)
+_NAME_OFFSETS = np.r_[0, np.cumsum([len(x.encode()) for x in (*MODALITIES, *ATTENTION_KINDS)])].astype(np.int64)
+
+
+def _values(array: pa.Array, dtype) -> np.ndarray:
+    """A primitive array's values (its slice), a view of its data buffer."""
+    return np.frombuffer(array.buffers()[1], dtype=dtype)[array.offset : array.offset + len(array)]
+
+
+def _offsets(array: pa.Array) -> np.ndarray:
+    """A list or string array's offsets (its slice: len + 1 of them, into its unsliced values), a view."""
+    return np.frombuffer(array.buffers()[1], dtype=np.int32)[array.offset : array.offset + len(array) + 1]
+
+
+def _bytes(array: pa.Array) -> np.ndarray:
+    data = array.buffers()[2]
+    return np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, dtype=np.uint8)
+
+
+def _bits(array: pa.Array) -> np.ndarray:
+    """An array's validity bitmap (from bit `array.offset`), empty when none of it is null."""
+    bitmap = array.buffers()[0]
+    return np.frombuffer(bitmap, dtype=np.uint8) if array.null_count and bitmap is not None else \
+        np.zeros(0, dtype=np.uint8)
 
 
 @dataclass

@@ -86,7 +86,7 @@ import pyarrow.parquet as pq
 from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.catalog.uris import filesystem_and_path
 from tokenloom.datasets.compiled import PAD_ID
-from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_table, sample_positions
+from tokenloom.datasets.layout import ROW_ID, Layout, Positions, layout_chunks, layout_table, sample_positions
 from tokenloom.datasets.packing import PlannedRows, ahead_batches, gather_planned, pack_row
 from tokenloom.datasets.planner import (
     COUNTERS,
@@ -262,13 +262,13 @@ def _make_layout(key: tuple, parallel: bool = False) -> Layout:
     return _layout_of(tables, group_size, audio_window)
 
 
-def _layout_ahead(paths: Sequence[str], group_size: int, audio_window: int) -> Future:
-    """A window's layout, read in the background ("read-ahead" thread) unless it is in memory or
+def _layout_ahead(order: EpochOrder, w: int, group_size: int, audio_window: int) -> Future:
+    """Window w's layout, read in the background ("read-ahead" thread) unless it is in memory or
     being read: one read per window, whoever asks (the canonical readers of a source each read
     ahead the same next window; a task each cost a thread hand-off per reader and window,
     bench/RESULTS.md)."""
     try:
-        key = _layout_key(paths, group_size, audio_window)
+        key = _window_key(order, w, group_size, audio_window)
     except OSError as exc:  # a shard that cannot be read fails the window when it is reached, not before
         future = Future()
         future.set_exception(exc)
@@ -277,6 +277,13 @@ def _layout_ahead(paths: Sequence[str], group_size: int, audio_window: int) -> F
 
 
 def _layout_of(tables: Sequence[pa.Table], group_size: int, audio_window: int) -> Layout:
+    if all("segments" in t.column_names and t.column("tokens").num_chunks == t.column("segments").num_chunks
+           for t in tables):  # the plain form shard writers give, from the Arrow buffers
+        layout = layout_chunks([pair for t in tables for pair in zip(t.column("tokens").chunks,
+                                                                     t.column("segments").chunks, strict=True)],
+                               group_size, audio_window)
+        if layout is not None:
+            return layout
     list_type = pa.list_(pa.int32())
     tokens = pa.chunked_array([c for t in tables for c in _as_type(t.column("tokens"), list_type).chunks], list_type)
     segments = None
@@ -456,6 +463,7 @@ class EpochOrder:
             self.window_starts.append(start)
             start += len(rows)
         self.total = start
+        self.keys: dict[tuple, tuple] = {}  # (window, group size, audio window) -> its layout's key, `_window_key`
 
 
 _ORDERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # the orders streams hold (`epoch_order`)
@@ -465,6 +473,19 @@ _ORDERS_LOCK = threading.Lock()
 def _window_paths(order: EpochOrder, w: int) -> list[str]:
     """The files of window w of an epoch's order, in the order its layout holds their samples."""
     return [order.files[i].path for i in order.windows[w][0]]
+
+
+def _window_key(order: EpochOrder, w: int, group_size: int, audio_window: int) -> tuple:
+    """Window w's layout as the caches know it (`_layout_key`: a stat of each file), taken once per
+    epoch order for every stream that reads the window (the canonical readers of a source share
+    the order, `epoch_order`): they read the same version of its shards, and the stats are not
+    taken again by each reader, for its read and its read-ahead (~1 ms per epoch of 4 readers,
+    bench/RESULTS.md). A shard that cannot be stat'ed is asked again next time."""
+    at = (w, group_size, audio_window)
+    key = order.keys.get(at)
+    if key is None:
+        key = order.keys[at] = _layout_key(_window_paths(order, w), group_size, audio_window)
+    return key
 
 
 def epoch_order(files: tuple[ShardFile, ...], seed: int, epoch: int, window: int, holdout: float = 0.0,
@@ -640,7 +661,8 @@ class TokenStream:
         if self._ahead is not None and self._ahead[0] == (epoch, w):
             layout, self._ahead = self._ahead[1].result(), None
         else:
-            layout = read_layout(paths, self.group_size, self.config.audio_window, parallel=True)  # shared
+            layout = _read_layout(_window_key(order, w, self.group_size, self.config.audio_window),
+                                  parallel=True)  # shared
         cut = _cut_window(layout, paths, index, self.config.seq_len, self._excluded)  # its own samples
         self._read_ahead(epoch, w)
         g0 = order.window_starts[w]
@@ -668,8 +690,7 @@ class TokenStream:
         if not self.config.read_ahead or (self.passes and nxt[0] >= self.passes) or (
                 self._ahead is not None and self._ahead[0] == nxt):
             return
-        paths = _window_paths(self._order_of(nxt[0]), nxt[1])
-        self._ahead = (nxt, _layout_ahead(paths, self.group_size, self.config.audio_window))
+        self._ahead = (nxt, _layout_ahead(self._order_of(nxt[0]), nxt[1], self.group_size, self.config.audio_window))
 
     def _sample(self, epoch: int, cursor: int) -> np.ndarray:
         """The flat tokens of a rank-local sample."""

@@ -24,7 +24,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 
@@ -81,10 +81,8 @@ def _ops_lock(op: str) -> Iterator[None]:
         try:
             for stale in glob.glob(os.path.join(glob.escape(root), "*", op, "lock")):
                 log.warning("removing %s, left by a process killed while it loaded DeepSpeed's %s op", stale, op)
-                try:
+                with suppress(FileNotFoundError):
                     os.remove(stale)
-                except FileNotFoundError:
-                    pass
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
