@@ -253,7 +253,10 @@ _NAME_OFFSETS = np.r_[0, np.cumsum([len(x.encode()) for x in (*MODALITIES, *ATTE
 
 def _values(array: pa.Array, dtype) -> np.ndarray:
     """A primitive array's values (its slice), a view of its data buffer."""
-    return np.frombuffer(array.buffers()[1], dtype=dtype)[array.offset : array.offset + len(array)]
+    data = array.buffers()[1]
+    if data is None:  # (an empty array may have none)
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(data, dtype=dtype)[array.offset : array.offset + len(array)]
 
 
 def _offsets(array: pa.Array) -> np.ndarray:
