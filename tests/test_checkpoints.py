@@ -160,8 +160,9 @@ def test_a_lock_left_by_a_process_killed_while_loading_the_comm_op_does_not_hang
     whatever happens, so that a failure here does not hang the tests after it."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    built = sorted(Path(root).glob("*/deepspeed_shm_comm/*.so"))
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")  # torch's build folders: <it>/<op>, else <default>/<tag>/<op>
+    built = sorted(Path(root).glob("deepspeed_shm_comm/*.so") if root is not None else
+                   Path(get_default_build_root()).glob("*/deepspeed_shm_comm/*.so"))
     assert built, "the Makefile builds DeepSpeed's shm op before the tests"
     lock = built[0].parent / "lock"
     lock.touch()

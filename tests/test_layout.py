@@ -132,6 +132,10 @@ def test_a_window_that_is_not_plain_is_read_through_pyarrow_with_its_errors(tmp_
                                                           pa.list_(SEGMENT_TYPE))}), bad)
     with pytest.raises(ValueError, match="unknown segment modality 'video'"):
         read_layout([str(bad)], 1, 4)
+    text = {"modality": "text", "start": 0, "length": 3, "grid": [], "attention": None}
+    tokens_type, segments_type = pa.list_(pa.int32()), pa.list_(SEGMENT_TYPE)
+    assert layout_chunks([(pa.array([], tokens_type), pa.array([], segments_type))], 1, 4) is None  # no sample
+    assert layout_chunks([(pa.array([[1, None, 3]], tokens_type), pa.array([[text]], segments_type))], 1, 4) is None
 
 
 def test_a_table_without_segments_is_text():

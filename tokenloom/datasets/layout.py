@@ -207,8 +207,9 @@ def layout_chunks(chunks: Sequence[tuple[pa.Array, pa.Array]], group_size: int, 
     in place of ~30 pyarrow and numpy calls for a window, each of which released the GIL and, in
     the read-ahead thread, waited to take it back from the packer's thread (bench/RESULTS.md).
     None unless every chunk is in the plain form shard writers give: the contract's types, no null
-    but in `attention`, every sample with a segment, known names (the caller then reads them with
-    `layout_table`, which handles the rest and words the errors)."""
+    but in `attention` (no null token either), every sample with a segment, known names, at least
+    one sample (the caller then reads them with `layout_table`, which handles the rest and words
+    the errors)."""
     tokens, token_offsets, columns, n, at = [], [np.zeros(1, dtype=np.int64)], [], 0, 0
     views = []
     for tc, sc in chunks:
@@ -217,6 +218,8 @@ def layout_chunks(chunks: Sequence[tuple[pa.Array, pa.Array]], group_size: int, 
             return None
         if not len(tc):
             continue
+        if tc.values.null_count:
+            return None
         struct = sc.values
         if struct.null_count or struct.offset:
             return None
@@ -232,6 +235,8 @@ def layout_chunks(chunks: Sequence[tuple[pa.Array, pa.Array]], group_size: int, 
                       _bytes(att)))
         n += len(tc)
         at += int(seg[-1] - seg[0])
+    if not tokens:  # no sample at all
+        return None
     columns = _Segments(*(np.empty(at, dtype=np.int64) for _ in range(8)))
     at = 0
     for view in views:
@@ -261,7 +266,10 @@ def _values(array: pa.Array, dtype) -> np.ndarray:
 
 def _offsets(array: pa.Array) -> np.ndarray:
     """A list or string array's offsets (its slice: len + 1 of them, into its unsliced values), a view."""
-    return np.frombuffer(array.buffers()[1], dtype=np.int32)[array.offset : array.offset + len(array) + 1]
+    offsets = array.buffers()[1]
+    if offsets is None:  # (an empty array may have none)
+        return np.zeros(1, dtype=np.int32)
+    return np.frombuffer(offsets, dtype=np.int32)[array.offset : array.offset + len(array) + 1]
 
 
 def _bytes(array: pa.Array) -> np.ndarray:

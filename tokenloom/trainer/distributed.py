@@ -13,7 +13,8 @@ load waits for it to go: the next run, the resumed one included, hangs without a
 processes load the op one at a time under an flock of their own, which the kernel releases when
 its holder dies; under it, a torch lock of the op is one that no process of ours holds, and it is
 removed (with a warning naming it). A process outside TokenLoom building the same op into the same
-cache at that moment would lose its lock: give it its own TORCH_EXTENSIONS_DIR.
+cache at that moment (or one on another machine sharing the cache over NFS, where an flock is
+the machine's own) would lose its lock: give it its own TORCH_EXTENSIONS_DIR.
 """
 
 from __future__ import annotations
@@ -60,32 +61,50 @@ def init_distributed() -> tuple[int, int]:
 
 def prebuild_ops() -> None:
     """Compile DeepSpeed's CPU shared-memory comm op into the extension cache (once), and load it,
-    one process at a time (see the module docstring)."""
+    one process at a time (see the module docstring). Nothing where the accelerator has no such op
+    (DeepSpeed's comm layer skips it there too)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.comm.torch import build_shm_op
 
-    with _ops_lock("deepspeed_shm_comm"):
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    with _ops_lock(builder.name):
         build_shm_op()
 
 
 @contextmanager
 def _ops_lock(op: str) -> Iterator[None]:
     """Hold our flock on the extension cache and remove the torch lock of `op` that no process of
-    ours holds (the build folder is <cache>/<python and CUDA tag>/<op>, TORCH_EXTENSIONS_DIR or
-    torch's default cache)."""
+    ours holds. The op's build folder is torch's: $TORCH_EXTENSIONS_DIR/<op> when that is set, else
+    <torch's default cache>/<python and accelerator tag>/<op>. Where the cache cannot be locked (a
+    read-only home, a filesystem without flock), the op is loaded as DeepSpeed would, with a
+    warning."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, "tokenloom-ops.flock"), "a") as handle:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    locks = os.path.join(glob.escape(root), op, "lock") if root is not None else \
+        os.path.join(glob.escape(get_default_build_root()), "*", op, "lock")
+    root = root if root is not None else get_default_build_root()
+    try:
+        os.makedirs(root, exist_ok=True)
+        handle = open(os.path.join(root, "tokenloom-ops.flock"), "a")  # noqa: SIM115 (held across the yield)
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            for stale in glob.glob(os.path.join(glob.escape(root), "*", op, "lock")):
-                log.warning("removing %s, left by a process killed while it loaded DeepSpeed's %s op", stale, op)
-                with suppress(FileNotFoundError):
-                    os.remove(stale)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    except OSError as exc:
+        log.warning("cannot lock the extension cache %s (%s): loading DeepSpeed's %s op without our lock", root,
+                    exc, op)
+        yield
+        return
+    try:
+        for stale in glob.glob(locks):
+            log.warning("removing %s, left by a process killed while it loaded DeepSpeed's %s op", stale, op)
+            with suppress(FileNotFoundError):
+                os.remove(stale)
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 def use_bf16(precision: str, device: torch.device) -> bool:
