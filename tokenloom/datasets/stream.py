@@ -415,13 +415,17 @@ def _pool(name: str, threads: int) -> ThreadPoolExecutor:
 
 
 def forget_read_tables() -> None:
-    """Drop the shards and layouts kept by the last reads, once the reads under way (read-ahead) are
-    done: a benchmark's cold read; tests that rewrite a file."""
+    """Drop the shards and layouts kept by the last reads, and the windows' keys the live epoch
+    orders hold (`_window_key`), once the reads under way (read-ahead) are done: a benchmark's cold
+    read; tests that rewrite a file."""
     for _, pool in _POOLS.values():
         pool.shutdown(wait=True)
     _POOLS.clear()
     _RECENT.clear()
     _LAYOUTS.clear()
+    with _ORDERS_LOCK:
+        for order in list(_ORDERS.values()):
+            order.keys.clear()
 
 
 def read_sample_ids(paths: Sequence[str], rows: np.ndarray) -> np.ndarray:
