@@ -210,8 +210,7 @@ def layout_chunks(chunks: Sequence[tuple[pa.Array, pa.Array]], group_size: int, 
     but in `attention` (no null token either), every sample with a segment, known names, at least
     one sample (the caller then reads them with `layout_table`, which handles the rest and words
     the errors)."""
-    tokens, token_offsets, columns, n, at = [], [np.zeros(1, dtype=np.int64)], [], 0, 0
-    views = []
+    tokens, token_offsets, views, n, at = [], [np.zeros(1, dtype=np.int64)], [], 0, 0
     for tc, sc in chunks:
         if tc.type != _TOKENS_TYPE or sc.type != _SEGMENTS_ARROW_TYPE or len(tc) != len(sc) or tc.null_count \
                 or sc.null_count:

@@ -83,10 +83,9 @@ def _ops_lock(op: str) -> Iterator[None]:
     warning."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    locks = os.path.join(glob.escape(root), op, "lock") if root is not None else \
-        os.path.join(glob.escape(get_default_build_root()), "*", op, "lock")
-    root = root if root is not None else get_default_build_root()
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")  # (torch tests it against None: "" counts as set)
+    root = chosen if chosen is not None else get_default_build_root()
+    locks = os.path.join(glob.escape(root), *((op,) if chosen is not None else ("*", op)), "lock")
     try:
         os.makedirs(root, exist_ok=True)
         handle = open(os.path.join(root, "tokenloom-ops.flock"), "a")  # noqa: SIM115 (held across the yield)
