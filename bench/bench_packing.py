@@ -15,10 +15,11 @@ cold start, over `--epochs` epochs that decode every file again (a long run: the
 thread overlaps every window's read but the first), with `stream.read_ahead` off, keeping every
 batch (fresh memory for each), and as the trainer reads it (`datasets.loader.Loader`, 4 canonical
 readers: one epoch from a cold start, and `--epochs` epochs). Its own reading (Parquet to segment
-tables, `read_layout`) is timed alone beside it. Each line runs `--pairs` times, each run beside a
-run of the raw read (this shared machine's speed drifts up to 2x within minutes, and each side's
-best of a few runs could come from different moments): the figure is the median of the pairs'
-ratios, with their range. The compiled loops (`datasets/compiled.py`) are loaded once before any
+tables, `read_layout`) is timed alone beside it, and its decode of the shards (pre-buffering off
+for local files) against pyarrow's default pre-buffered read. Each line runs `--pairs` times, each
+run beside a run of the raw read (this shared machine's speed drifts up to 2x within minutes, and
+each side's best of a few runs could come from different moments): the figure is the median of the
+pairs' ratios, with their range. The compiled loops (`datasets/compiled.py`) are loaded once before any
 timing (numba's cache; a one-off per process).
 
     .venv/bin/python bench/bench_packing.py [--samples 4000] [--rows 1600] [--epochs 3] [--pairs 7]
@@ -271,6 +272,24 @@ def main() -> None:
         readings, raws = paired(lambda: read_layout_rate(files, cfg), lambda: raw_pyarrow_rate(files), args.pairs)
         print(f"of which reading alone (Parquet to segment tables) {np.median(readings) / 1e6:.3f} M tokens/s = "
               f"{paired_ratio(readings, raws)} the raw read")
+        # the shards' decode as the stream does it (a local file read as decoded) against pyarrow's default
+        # (pre-buffered: the column chunks' reads coalesced on Arrow's I/O threads), in turn, many times
+        times = np.array([[decode_seconds(files, pre_buffer) for pre_buffer in (False, True)]
+                          for _ in range(args.pairs * 20)])
+        print(f"decoding the shards as the stream does (pre_buffer off for local files) "
+              f"{np.median(times[:, 0]) * 1e3:.2f} ms against pyarrow's pre-buffered read "
+              f"{np.median(times[:, 1]) * 1e3:.2f} ms: {np.median(times[:, 1] / times[:, 0]):.3f}x as fast "
+              f"(median of {len(times)} pairs)")
+
+
+def decode_seconds(files, pre_buffer: bool) -> float:
+    """Seconds to decode the files' token columns as the stream's decoder does (one `ParquetFile` each,
+    no threads), with or without pyarrow's pre-buffering."""
+    t0 = time.perf_counter()
+    for f in files:
+        with pq.ParquetFile(f.path, pre_buffer=pre_buffer) as shard:
+            shard.read(columns=["tokens", "segments"], use_threads=False)
+    return time.perf_counter() - t0
 
 
 def paired(run, peer, pairs: int) -> tuple[np.ndarray, np.ndarray]:

@@ -82,6 +82,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pyarrow.fs import LocalFileSystem
 
 from tokenloom.catalog.schema import SEGMENT_TYPE
 from tokenloom.catalog.uris import filesystem_and_path
@@ -380,11 +381,14 @@ def _decoder(key: tuple[str, int, int]) -> Callable[[], pa.Table]:
     def decode() -> pa.Table:
         """One open file, its footer read once (`ParquetFile`: a third faster here than
         `pq.read_schema` then `pq.read_table`, whose dataset layer is Python that holds the GIL
-        the packer's thread needs, bench/RESULTS.md)."""
+        the packer's thread needs, bench/RESULTS.md). A local file is read as it is decoded:
+        pre-buffering (Arrow's I/O threads coalescing the column chunks' reads, which pays for an
+        object store's round trips) cost a local read ~15% more (bench/RESULTS.md)."""
         path = key[0]
         filesystem, inner = filesystem_and_path(path)
         try:
-            with pq.ParquetFile(inner, filesystem=filesystem) as shard:
+            with pq.ParquetFile(inner, filesystem=filesystem,
+                                pre_buffer=not isinstance(filesystem, LocalFileSystem)) as shard:
                 columns = ["tokens", "segments"] if "segments" in shard.schema_arrow.names else ["tokens"]
                 return shard.read(columns=columns, use_threads=False)
         except (OSError, ValueError) as exc:
