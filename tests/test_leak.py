@@ -66,7 +66,7 @@ def _random_targets(batch) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def _measure(model, batch) -> dict[str, float]:
     h, _ = model(batch, indices=mask_indices(batch))
-    labels, sel = batch["labels"], _random_targets(batch)
+    labels, sel = batch["labels"].long(), _random_targets(batch)  # (the rows' int32, widened for the cross-entropy)
     out = {}
     for name, where in sel.items():
         out[name] = float(F.cross_entropy(model.head(h[where]).float(), labels[..., 0][where]))

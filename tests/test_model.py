@@ -16,7 +16,7 @@ from multimodal_data import (
     write_shard,
 )
 
-from tokenloom.contract import ATTENTION_KINDS, MODALITIES, MODALITY_IDS, PAD_MODALITY
+from tokenloom.contract import ATTENTION_KINDS, MODALITIES, MODALITY_IDS, PAD_MODALITY, ROW_DTYPE, ROW_KEYS
 from tokenloom.datasets import StreamConfig, TokenStream
 from tokenloom.datasets.stream import pack_row, sample_positions
 from tokenloom.kernels import Segment, build_multimodal_mask
@@ -137,6 +137,27 @@ def test_each_modality_loss_is_finite_and_decreases(samples):
         history.append({k: float(v) for k, v in parts.items() if k.startswith("loss_")})
     for key in ("loss_text", "loss_image", "loss_audio", "loss_mtp"):
         assert np.isfinite(history[0][key]) and history[-1][key] < 0.6 * history[0][key], key
+
+
+def test_rows_are_packed_as_int32_and_train_as_the_same_rows_in_int64(samples):
+    """The packer writes rows as `contract.ROW_DTYPE` (int32: half the bytes of int64) and the model
+    takes them as they come: its loss, loss parts and gradients equal those of the same rows widened
+    to int64 (every head: text, image, audio levels, MTP)."""
+    rng = np.random.default_rng(2)
+    packed = _batch(_row(samples), _row([image_sample(rng), text_sample(rng, 20), audio_sample(rng, 8)]))
+    assert {str(packed[k].dtype) for k in ROW_KEYS} == {f"torch.{ROW_DTYPE}"}
+    wide = {k: v.long() if k in ROW_KEYS else v for k, v in packed.items()}
+    model = _model(mtp=True)
+    results = []
+    for batch in (packed, wide):
+        model.zero_grad()
+        loss, parts = model.loss(batch)
+        loss.backward()
+        results.append((parts, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (parts32, grads32), (parts64, grads64) = results
+    assert parts32["count_image"] > 0 and parts32["count_audio"] > 0 and parts32["count_text"] > 0
+    assert all(torch.equal(parts32[k], parts64[k]) for k in parts64)
+    assert len(grads32) == len(grads64) and all(torch.equal(a, b) for a, b in zip(grads32, grads64, strict=True))
 
 
 def test_audio_levels_are_teacher_forced_by_lower_levels(samples):

@@ -61,3 +61,6 @@ IGNORE_INDEX = -100  # a label that no loss counts
 # except coords [P, 3].
 ROW_KEYS: tuple[str, ...] = ("ids", "labels", "modality", "target_modality", "coords", "doc_ids", "segment_ids",
                              "attention", "window")
+# Their dtype as the packer writes them (half the bytes of int64: writing rows is the packer's largest
+# cost); the model takes them as they are (`UnifiedModel.loss` widens the targets it needs as int64).
+ROW_DTYPE = "int32"

@@ -212,13 +212,15 @@ class UnifiedModel(nn.Module):
         """Token-weighted cross-entropy over every predicted id (+ routing aux, + weighted MTP).
 
         Returns the loss to minimise and its parts: the mean CE per target modality (detached
-        sums and counts are kept too, so the trainer can average them over ranks)."""
+        sums and counts are kept too, so the trainer can average them over ranks). The batch's
+        integer columns may be of any integer dtype (the packer writes int32, `contract.ROW_DTYPE`);
+        the targets are widened to int64 here, where the cross-entropy needs them."""
         h, aux = self.forward(batch, sub, indices)
         labels = batch["labels"]
         target = labels[..., 0]
         has_target = target != IGNORE_INDEX
         tmod = batch["target_modality"]  # the row's last target lies past the row: the stream knows it
-        ce = F.cross_entropy(self.head(h[has_target]).float(), target[has_target], reduction="none")
+        ce = F.cross_entropy(self.head(h[has_target]).float(), target[has_target].long(), reduction="none")
         sums, counts = {}, {}
         tm = tmod[has_target]
         for m, name in enumerate(MODALITIES):
@@ -235,7 +237,7 @@ class UnifiedModel(nn.Module):
             for level, head in enumerate(self.level_heads, start=1):
                 cond = cond + self.embed(lab[:, level - 1])
                 start = self.cfg.audio_ranges[level][0]
-                level_ce.append(F.cross_entropy(head(cond).float(), lab[:, level] - start, reduction="none"))
+                level_ce.append(F.cross_entropy(head(cond).float(), lab[:, level].long() - start, reduction="none"))
             stacked = torch.stack(level_ce)
             sums["audio"] = sums["audio"] + stacked.sum()
             counts["audio"] = counts["audio"] + stacked.numel()
@@ -262,7 +264,7 @@ class UnifiedModel(nn.Module):
         h_i = h[:, :-1][ok]
         nxt = self.embed(labels[:, :-1, 0][ok])
         z = self.mtp(h_i, nxt)  # on no rows when there is no pair: every rank's head gets a gradient
-        ce = F.cross_entropy(self.head(z).float(), labels[:, 1:, 0][ok], reduction="sum")
+        ce = F.cross_entropy(self.head(z).float(), labels[:, 1:, 0][ok].long(), reduction="sum")
         return ce / ok.sum().clamp_min(1)
 
     # -- routing statistics and balancing -------------------------------------------------

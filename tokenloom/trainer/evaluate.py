@@ -105,7 +105,7 @@ def evaluate(model: UnifiedModel, files: Sequence[ShardFile], stream_cfg: Stream
             if float(_all_reduce(stop, world_size, torch.distributed.ReduceOp.MAX if world_size > 1 else None)):
                 break
             raw.pop("fill_ratio", None)  # a packing figure, not a model input
-            batch = {k: torch.from_numpy(v).to(device=device, dtype=torch.long) for k, v in raw.items()}
+            batch = {k: torch.from_numpy(v).to(device) for k, v in raw.items()}  # (their own dtype, as the trainer's)
             with autocast or contextlib.nullcontext():
                 _, parts = model.loss(batch, sub, indices=mask_indices(batch))
             sums += torch.stack([parts[f"sum_{m}"].double().cpu() for m in MODALITIES])
