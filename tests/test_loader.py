@@ -354,6 +354,39 @@ def test_the_canonical_readers_read_each_window_ahead_once(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("world", [1, 2])
+def test_prefetch_reads_the_first_windows_before_the_first_batch(tmp_path, world):
+    """`Loader.prefetch` (what the trainer calls before building its model and engine) reads the
+    window of files each of the rank's readers starts with: once its reads are done, the files can
+    be gone and the first batch is still made, the same as without prefetching. Without it, the
+    first batch is where the files are read, and that fails when they are gone."""
+    from pathlib import Path
+
+    from tokenloom.datasets.stream import forget_read_tables
+
+    files = _files(tmp_path, n_files=4, per_file=40)  # 2 windows of 2 files per epoch, 20 samples per reader
+    sources = [Source("d", tuple(files))]
+    forget_read_tables()
+    want = [next(ld.batches(2)) for ld in _rank_loaders(sources, world)]
+    forget_read_tables()
+    loaders = _rank_loaders(sources, world)
+    futures = [f for ld in loaders for f in ld.prefetch()]
+    assert futures, "nothing was read ahead"
+    for f in futures:
+        f.result()
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    for f in files:
+        Path(f.path).rename(gone / Path(f.path).name)
+    got = [next(ld.batches(2)) for ld in loaders]
+    for w, g in zip(want, got, strict=True):
+        assert [_crc(g, i) for i in range(2)] == [_crc(w, i) for i in range(2)]
+        assert list(g["row"]) == list(w["row"])
+    forget_read_tables()
+    with pytest.raises(OSError, match="cannot read token shard"):
+        next(_rank_loaders(sources, world)[0].batches(2))
+
+
+@pytest.mark.parametrize("world", [1, 2])
 def test_batches_planned_ahead_are_those_of_one_batch_at_a_time(tmp_path, monkeypatch, world):
     """The loader plans and writes several batches at once (each reader's streams in one call that
     marks them after every batch): every rank's batches, its state, `skipped` and `removed` after

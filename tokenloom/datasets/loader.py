@@ -36,6 +36,7 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -360,6 +361,15 @@ class Loader:
         self._queued_rows = 0  # rows per batch of those queued
         if state is not None:
             self.load(state)
+
+    def prefetch(self) -> list[Future]:
+        """Start reading, in the background, the window of files every stream of this rank's readers
+        reads next (`TokenStream.prefetch`: the canonical readers of a source share one read), so that
+        a caller that does other work before the first batch (the trainer building its model and
+        engine) waits for less of it. The batches are the same. Returns the reads' futures."""
+        streams = [s for reader in self.own.values()
+                   for s in [*reader.streams, *(t for _, t in reader.segments if t is not None)]]
+        return [f for f in (s.prefetch() for s in streams) if f is not None]
 
     def follow(self, source: str, snapshot_id: int, files: Sequence[ShardFile],
                deleted: Sequence[str] = ()) -> Segment | None:

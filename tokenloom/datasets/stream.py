@@ -45,6 +45,8 @@ pyarrow's decoding and the compiled loops release the GIL), once for all the str
 it (a window in memory is not read again); each stream cuts its own samples of it into pieces
 when it reaches it. A layout is a function of its files and rows alone, so the rows are the same
 with it off, and in a long run reading costs the packer almost nothing (bench/RESULTS.md).
+`prefetch` starts that read for the window the stream starts with, for a caller that has other
+work to do before its first batch (a new training run builds its model and engine meanwhile).
 `batches` plans and writes `packing.ahead_batches` batches at a time (a batch costs ~20 us of
 Python and compiled calls whatever its size): one `plan_rows` call marks the planner's state after
 each batch (`StreamMarks`, a `StreamMark` each when asked for), one gather writes them all, and
@@ -662,8 +664,7 @@ class TokenStream:
         if cached is not None and cached.epoch == epoch and cached.first <= cursor < cached.stop:
             return cached
         order = self._epoch_order(epoch)
-        global_index = cursor * self.world + self.rank
-        w = int(np.searchsorted(order.window_starts, global_index, side="right") - 1)
+        w = self._window_index(order, cursor)
         self._drop_cache()
         paths, index = self._window_rows(order, w)  # index: rank-local cursor order -> sample of the layout
         if self._ahead is not None and self._ahead[0] == (epoch, w):
@@ -679,6 +680,32 @@ class TokenStream:
         self._sources[src] = layout
         self._cache = _FileWindow(epoch, first, first + len(index), src, layout, index, *cut)
         return self._cache
+
+    def _window_index(self, order: EpochOrder, cursor: int) -> int:
+        """The window of `order` that holds rank-local sample `cursor` (global sample cursor x W + rank)."""
+        return int(np.searchsorted(order.window_starts, cursor * self.world + self.rank, side="right") - 1)
+
+    def prefetch(self) -> Future | None:
+        """Start reading, in the background, the window of files the next sample pulled comes from
+        (one read per window, shared by every stream that reads it, as the read-ahead's), so that it
+        overlaps whatever the caller does before asking for rows (the trainer builds its model and
+        engine meanwhile). The rows are the same; a file that cannot be read fails the batch that
+        needs it, as without. Returns the read's future (done when the window is in memory), or None
+        with `stream.read_ahead` off, batches planned ahead, the window in memory or the passes read."""
+        if self._queued or not self.config.read_ahead or (self.passes and self._exhausted()):
+            return None
+        epoch, cursor = self._epoch, self._cursor
+        order = self._order_of(epoch)
+        while cursor >= (order.total - self.rank + self.world - 1) // self.world:  # (as `samples_per_epoch`)
+            epoch, cursor = epoch + 1, 0  # (an endless stream has samples every epoch)
+            order = self._order_of(epoch)
+        cached = self._cache
+        if cached is not None and cached.epoch == epoch and cached.first <= cursor < cached.stop:
+            return None
+        w = self._window_index(order, cursor)
+        if self._ahead is None or self._ahead[0] != (epoch, w):
+            self._ahead = ((epoch, w), _layout_ahead(order, w, self.group_size, self.config.audio_window))
+        return self._ahead[1]
 
     def _window_rows(self, order: EpochOrder, w: int) -> tuple[list[str], np.ndarray]:
         """Window w's files and the rows of them this rank takes, in the rank's order (indices into

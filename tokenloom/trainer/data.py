@@ -51,6 +51,7 @@ class RunData:
         self.seen.update({s.source: s.snapshot_id for s in self.loader.segments})
         self.rows_log = None
         if train_cfg.log_rows and rank == 0:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)  # (a new run's rows are made before its metrics)
             self.rows_log = (Path(run_dir) / "rows.jsonl").open("a" if client else "w")
 
     def _stage_loader(self, stage: int, state: LoaderState | None) -> tuple[Loader, int]:

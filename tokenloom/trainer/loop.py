@@ -165,6 +165,11 @@ def train(
         holder = [str(run_dir)]
         torch.distributed.broadcast_object_list(holder, src=0)
         run_dir = Path(holder[0])
+    configured = asdict(model_cfg)  # as given (a stage's RoPE base is set on the live config by `RunData`)
+    data = None
+    if resume_from is None:  # a new run's rows: the first windows of files are read while the model and engine are built
+        data = RunData(sources, stream_cfg, train_cfg, model_cfg, rank, world, 0, None, run_dir)
+        data.loader.prefetch()
     model = UnifiedModel(model_cfg)
     if init_state is not None:  # before expert parallel slices the experts: the state holds all of them
         model.load_state_dict(init_state)
@@ -220,9 +225,10 @@ def train(
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_at=start_step if resume_from else None) if rank == 0 else None
     if rank == 0:
         (run_dir / "config.json").write_text(json.dumps(
-            {"model": asdict(model_cfg), "stream": asdict(stream_cfg), "train": asdict(train_cfg),
+            {"model": configured, "stream": asdict(stream_cfg), "train": asdict(train_cfg),
              "world_size": world, "bf16_autocast": bf16}, indent=2))
-    data = RunData(sources, stream_cfg, train_cfg, engine.module.cfg, rank, world, start_step, client, run_dir)
+    if data is None:  # a resumed run's rows start where its checkpoint's did
+        data = RunData(sources, stream_cfg, train_cfg, engine.module.cfg, rank, world, start_step, client, run_dir)
     losses: list[float] = []
     recent: list[StepStats] = []
     tokens_seen, train_seconds, data_seconds = 0, 0.0, 0.0
