@@ -630,9 +630,13 @@ class TokenStream:
         order = self._order_of(epoch)
         if self._order_epoch != epoch:
             self._order_epoch = epoch
-            self._per_epoch = (order.total - self.rank + self.world - 1) // self.world
+            self._per_epoch = self._samples_of(order)
             self._drop_cache()
         return order
+
+    def _samples_of(self, order: EpochOrder) -> int:
+        """The samples of an epoch's order this rank takes (global samples rank, rank + W, ...)."""
+        return (order.total - self.rank + self.world - 1) // self.world
 
     def _drop_cache(self) -> None:
         """Forget the window in memory (pieces still pending keep their window's layout: its tokens
@@ -696,7 +700,7 @@ class TokenStream:
             return None
         epoch, cursor = self._epoch, self._cursor
         order = self._order_of(epoch)
-        while cursor >= (order.total - self.rank + self.world - 1) // self.world:  # (as `samples_per_epoch`)
+        while cursor >= self._samples_of(order):
             epoch, cursor = epoch + 1, 0  # (an endless stream has samples every epoch)
             order = self._order_of(epoch)
         cached = self._cache
@@ -921,7 +925,7 @@ class TokenStream:
         c, epoch, cursor = mark.counters, mark.epoch, mark.cursor
         if not (self.passes and epoch >= self.passes):
             order = self._order_of(epoch)
-            if cursor >= (order.total - self.rank + self.world - 1) // self.world:
+            if cursor >= self._samples_of(order):
                 epoch, cursor = epoch + 1, 0
         pending = tuple(PendingPiece(*p) for p in mark.pend[:, :STOP + 1].tolist())
         return StreamState(epoch, cursor, pending, int(c[SKIPPED]), int(c[REMOVED]))
